@@ -39,6 +39,8 @@ STAGES: dict[str, Stage] = {
     "bench_cache": Stage(
         "data.cache_bench:CacheBenchConfig", "data.cache_bench:run", "cache throughput against a bare forward"
     ),
+    "train": Stage("train.config:TrainJobConfig", "train.loop:run", "train an EAGLE-3 draft"),
+    "bench_train": Stage("train.bench:TrainBenchConfig", "train.bench:run", "training throughput and MFU"),
     "export": Stage("launch.export_job:ExportJobConfig", "launch.export_job:run", "write a serving checkpoint"),
     "export_check": Stage("", "launch.export_job:check_main", "validate any EAGLE-3 checkpoint", hydra=False),
 }

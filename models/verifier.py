@@ -36,11 +36,33 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
-def parse_dtype(name: str) -> torch.dtype:
+def cpu_has_fast_bf16() -> bool:
+    """True when the CPU multiplies bf16 natively (AMX or AVX512-BF16).
+
+    Without them (e.g. AMD Zen 3, AVX2 only) oneDNN falls back to a path measured here at ~0.001 TFLOP/s, hundreds
+    of times slower than fp32, so "auto" must not pick bf16 on such a CPU.
+    """
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(f in flags for f in ("amx_bf16", "avx512_bf16"))
+
+
+def auto_dtype(device: str | torch.device = "cpu") -> torch.dtype:
+    if torch.device(device).type == "cuda":
+        return torch.bfloat16
+    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+
+def parse_dtype(name: str, device: str | torch.device = "cpu") -> torch.dtype:
+    """A dtype by name; ``auto`` is bf16 on GPUs and on CPUs with native bf16, fp32 elsewhere."""
+    if name == "auto":
+        return auto_dtype(device)
     try:
         return DTYPES[name]
     except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; use one of {sorted(DTYPES)}") from None
+        raise ValueError(f"unknown dtype {name!r}; use one of {sorted(DTYPES)} or auto") from None
 
 
 def default_home() -> str:
@@ -51,8 +73,9 @@ def default_home() -> str:
 class VerifierConfig:
     name_or_path: str = DEFAULT_VERIFIER
     """A local Hugging Face model directory, a ``.gguf`` file, or an embedded name (``smollm2-135m-instruct``)."""
-    dtype: str = "bfloat16"
-    """Compute dtype of the verifier's forward passes (bf16 matrix products are ~5x faster than fp32 on AMX CPUs)."""
+    dtype: str = "auto"
+    """Compute dtype of the verifier's forward passes: float32, bfloat16, float16, or auto (bf16 on GPUs and on CPUs
+    with AMX / AVX512-BF16, where it is ~5x faster; fp32 on CPUs without them, where bf16 is far slower)."""
     aux_layer_ids: list[int] | None = None
     """``output_hidden_states`` indices of the three aux states; None means ``[2, L//2, L-3]``."""
     trust_remote_code: bool = False
@@ -116,11 +139,18 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
     log.info("converting %s to %s (once)", gguf, out_dir)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     _fix_tokenizer(tokenizer)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # The de-quantised weights are plain tensors now: drop the GGUF quantisation marker from the config.
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The de-quantised weights are plain tensors, but transformers marks the model as GGUF-quantised and refuses to
+    # save it: rebuild a plain model from the config without that marker and move the weights over.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.generation_config = loaded.generation_config
+    del loaded
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the converted verifier is an ordinary shared directory
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
@@ -206,6 +236,14 @@ class Verifier:
 def load_tokenizer(cfg: VerifierConfig, path: Path | None = None):
     from transformers import AutoTokenizer
 
+    if path is None and cfg.name_or_path in EMBEDDED_VERIFIERS:
+        converted = Path(cfg.home).expanduser() / "verifiers" / cfg.name_or_path
+        if not (converted / "config.json").is_file():
+            # The tokenizer alone does not need the (slow) weight conversion: read it straight from the GGUF.
+            gguf = embedded_gguf(cfg.name_or_path)
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            _fix_tokenizer(tokenizer)
+            return tokenizer
     path = path or resolve_verifier_dir(cfg)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
     _fix_tokenizer(tokenizer)
@@ -218,7 +256,7 @@ def load_verifier(cfg: VerifierConfig, device: str | torch.device = "cpu") -> Ve
     from transformers import AutoModelForCausalLM
 
     path = resolve_verifier_dir(cfg)
-    dtype = parse_dtype(cfg.dtype)
+    dtype = parse_dtype(cfg.dtype, device)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
     model.to(device).eval().requires_grad_(False)
     num_layers = int(model.config.num_hidden_layers)

@@ -1,0 +1,334 @@
+"""``fledge cache``: tokenise conversations, pick the draft vocabulary, and cache the verifier's hidden states.
+
+Each rank (``torchrun``) caches the shards ``s % world_size == rank`` of one deterministic plan; rank 0 writes the
+manifest once every shard is complete. A rerun with the same inputs skips complete shards, so a run killed at any
+moment resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import queue
+import shutil
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from data.cache import (
+    FORMAT_VERSION,
+    SHARD_DIR,
+    CacheConfig,
+    CacheError,
+    CacheIdentity,
+    ShardPlan,
+    atomic_write_text,
+    chat_template_hash,
+    complete_shard,
+    plan_shards,
+    remove_stale_temporaries,
+    tokenizer_hash,
+    write_shard,
+)
+from data.sources import DataConfig, load_conversations
+from data.template import Tokenized, tokenize_all
+from data.vocab import build_draft_vocab, count_tokens, save_draft_vocab
+from launch.dist import DistInfo, barrier, cleanup, init_distributed, pick_device
+from models.capture import forward_hidden
+from models.verifier import (
+    Verifier,
+    VerifierConfig,
+    load_verifier,
+    parse_dtype,
+    resolve_verifier_dir,
+    weight_fingerprint,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CacheJobConfig:
+    verifier: VerifierConfig = field(default_factory=VerifierConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+
+
+@dataclass
+class Prepared:
+    """Everything decided before the first forward: the same on every rank and on every rerun."""
+
+    verifier: Verifier
+    samples: list[Tokenized]
+    identity: CacheIdentity
+    plan: ShardPlan
+    plan_record: dict[str, Any]
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+    counts: torch.Tensor
+    source_report: dict[str, Any]
+    token_stats: dict[str, int]
+
+
+def _config_hash(cfg: CacheJobConfig, fingerprint: str) -> str:
+    payload = {"verifier": asdict(cfg.verifier), "data": asdict(cfg.data), "fingerprint": fingerprint}
+    payload["verifier"].pop("home", None)
+    payload["cache"] = {k: v for k, v in asdict(cfg.cache).items() if k not in {"dir", "overwrite", "device", "verify_on_resume"}}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def prepare(cfg: CacheJobConfig, info: DistInfo, device: torch.device) -> Prepared:
+    verifier = load_verifier(cfg.verifier, device)
+    conversations, report = load_conversations(cfg.data)
+    if info.is_main:
+        log.info("%s", report.summary())
+    samples, stats = tokenize_all(verifier.tokenizer, conversations, cfg.data.max_length, desc="tokenize")
+    if not samples:
+        raise CacheError(f"no usable conversation in {cfg.data.source!r} ({report.summary()})")
+    vocab_size = int(verifier.model.config.vocab_size)
+    counts = count_tokens(samples, vocab_size)
+    draft_vocab_size = min(cfg.cache.draft_vocab_size, vocab_size)
+    d2t, t2d = build_draft_vocab(counts, draft_vocab_size)
+
+    storage = parse_dtype(cfg.cache.storage_dtype)
+    bytes_per_token = 4 * verifier.hidden_size * storage.itemsize + 5
+    lengths = [len(s.input_ids) for s in samples]
+    plan = plan_shards(lengths, bytes_per_token, cfg.cache.shard_bytes, cfg.cache.batch_tokens, cfg.cache.max_batch_size)
+    identity = CacheIdentity(
+        verifier_fingerprint=verifier.fingerprint,
+        tokenizer_hash=tokenizer_hash(verifier.tokenizer),
+        chat_template_hash=chat_template_hash(verifier.tokenizer),
+        aux_layer_ids=verifier.aux_layer_ids,
+        max_length=cfg.data.max_length,
+    )
+    data_hash = hashlib.sha256()
+    for s in samples:
+        data_hash.update(torch.tensor(s.input_ids, dtype=torch.int64).numpy().tobytes())
+        data_hash.update(torch.tensor(s.loss_mask, dtype=torch.uint8).numpy().tobytes())
+    plan_record = {
+        "format_version": FORMAT_VERSION,
+        "config_hash": _config_hash(cfg, verifier.fingerprint),
+        "identity": asdict(identity),
+        "storage_dtype": cfg.cache.storage_dtype,
+        "compute_dtype": str(verifier.dtype).removeprefix("torch."),
+        "data_sha256": data_hash.hexdigest(),
+        "plan_sha256": hashlib.sha256(json.dumps(plan.shards).encode()).hexdigest(),
+        "num_shards": len(plan.shards),
+    }
+    return Prepared(
+        verifier=verifier,
+        samples=samples,
+        identity=identity,
+        plan=plan,
+        plan_record=plan_record,
+        d2t=d2t,
+        t2d=t2d,
+        counts=counts,
+        source_report=asdict(report),
+        token_stats=stats,
+    )
+
+
+def claim_directory(cache_dir: Path, plan_record: dict[str, Any], overwrite: bool) -> bool:
+    """Bind ``cache_dir`` to this plan (rank 0). True when the cache is already complete."""
+    plan_path = cache_dir / "plan.json"
+    if plan_path.is_file():
+        old = json.loads(plan_path.read_text())
+        differs = [k for k in plan_record if old.get(k) != plan_record[k] and k != "config_hash"]
+        if differs:
+            if not overwrite:
+                raise CacheError(
+                    f"{cache_dir} holds a cache of other inputs ({', '.join(differs)} differ); "
+                    "choose another cache.dir or pass cache.overwrite=true to replace it"
+                )
+            log.warning("cache.overwrite=true: replacing %s (%s differ)", cache_dir, ", ".join(differs))
+            shutil.rmtree(cache_dir / SHARD_DIR, ignore_errors=True)
+            for name in ("manifest.json", "plan.json", "draft_vocab.safetensors"):
+                (cache_dir / name).unlink(missing_ok=True)
+        elif (cache_dir / "manifest.json").is_file():
+            return True
+    elif cache_dir.exists() and any(not p.name.startswith(".") for p in cache_dir.iterdir()) and not overwrite:
+        raise CacheError(f"{cache_dir} exists and is not a fledge cache; choose another cache.dir")
+    (cache_dir / SHARD_DIR).mkdir(parents=True, exist_ok=True)
+    atomic_write_text(plan_path, json.dumps(plan_record, indent=1))
+    return False
+
+
+def _batch_tensors(samples: list[Tokenized], batch: list[int], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    longest = max(len(samples[i].input_ids) for i in batch)
+    ids = torch.full((len(batch), longest), pad_id, dtype=torch.int64)
+    mask = torch.zeros((len(batch), longest), dtype=torch.int64)
+    for row, i in enumerate(batch):
+        n = len(samples[i].input_ids)
+        ids[row, :n] = torch.tensor(samples[i].input_ids)
+        mask[row, :n] = 1
+    return ids, mask
+
+
+def cache_shard(verifier: Verifier, samples: list[Tokenized], batches: list[list[int]], storage: torch.dtype, on_batch=None):
+    """Run the verifier over one shard's batches; returns per-conversation tensors in shard order."""
+    pad_id = verifier.tokenizer.pad_token_id or 0
+    conv_ids, ids_out, mask_out, aux_out, final_out = [], [], [], [], []
+    for batch in batches:
+        ids, attn = _batch_tensors(samples, batch, pad_id)
+        device = verifier.device
+        captured = forward_hidden(verifier.model, ids.to(device), attn.to(device), verifier.aux_layer_ids)
+        aux = torch.cat(captured.aux, dim=-1).to("cpu", storage)
+        final = captured.final.to("cpu", storage)
+        for row, i in enumerate(batch):
+            n = len(samples[i].input_ids)
+            conv_ids.append(i)
+            ids_out.append(ids[row, :n])
+            mask_out.append(torch.tensor(samples[i].loss_mask, dtype=torch.uint8))
+            aux_out.append(aux[row, :n])
+            final_out.append(final[row, :n])
+        if on_batch is not None:
+            on_batch(int(attn.sum()))
+    return conv_ids, ids_out, mask_out, aux_out, final_out
+
+
+class ShardWriter:
+    """Writes shards on a background thread so the next forward overlaps the disk work (hashing, fsync)."""
+
+    def __init__(self, cache_dir: Path, depth: int = 2):
+        self.cache_dir = cache_dir
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._work, daemon=True)
+        self.thread.start()
+
+    def _work(self) -> None:
+        while (item := self.queue.get()) is not None:
+            try:
+                if self.error is None:
+                    write_shard(self.cache_dir, *item)
+            except BaseException as e:  # surfaced on the main thread by put()/close()
+                self.error = e
+
+    def put(self, s: int, shard: tuple) -> None:
+        if self.error is not None:
+            raise self.error
+        self.queue.put((s, *shard))
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
+def write_manifest(cache_dir: Path, cfg: CacheJobConfig, prep: Prepared) -> dict[str, Any]:
+    shards = []
+    for s in range(len(prep.plan.shards)):
+        record = complete_shard(cache_dir, s, verify=False)
+        if record is None:
+            raise CacheError(f"{cache_dir}: shard {s} is not complete; rerun `fledge cache` to finish it")
+        shards.append(record)
+    v = prep.verifier
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "verifier": {
+            "name": v.name,
+            "path": str(v.path.resolve()),
+            "fingerprint": v.fingerprint,
+            "model_type": v.model.config.model_type,
+            "num_layers": v.num_layers,
+            "vocab_size": int(v.model.config.vocab_size),
+        },
+        "tokenizer_hash": prep.identity.tokenizer_hash,
+        "chat_template_hash": prep.identity.chat_template_hash,
+        "aux_layer_ids": v.aux_layer_ids,
+        "hidden_size": v.hidden_size,
+        "storage_dtype": cfg.cache.storage_dtype,
+        "compute_dtype": str(prep.verifier.dtype).removeprefix("torch."),
+        "max_length": cfg.data.max_length,
+        "source": {"config": asdict(cfg.data), "report": prep.source_report, "tokens": prep.token_stats},
+        "draft_vocab_size": int(prep.d2t.numel()),
+        "num_conversations": len(prep.samples),
+        "num_tokens": sum(r["tokens"] for r in shards),
+        "num_loss_tokens": sum(sum(s.loss_mask) for s in prep.samples),
+        "bytes": sum(r["bytes"] for r in shards),
+        "shards": shards,
+    }
+    atomic_write_text(cache_dir / "manifest.json", json.dumps(manifest, indent=1))
+    return manifest
+
+
+def _already_complete(cache_dir: Path, cfg: CacheJobConfig) -> bool:
+    """Cheap rerun check (no tokenisation): a manifest exists and was written for this very configuration."""
+    plan_path, manifest_path = cache_dir / "plan.json", cache_dir / "manifest.json"
+    if not (plan_path.is_file() and manifest_path.is_file()):
+        return False
+    fingerprint = weight_fingerprint(resolve_verifier_dir(cfg.verifier))
+    return json.loads(plan_path.read_text()).get("config_hash") == _config_hash(cfg, fingerprint)
+
+
+def run(cfg: CacheJobConfig) -> Path:
+    info = init_distributed(cfg.cache.device)
+    try:
+        return _run(cfg, info)
+    finally:
+        cleanup()
+
+
+def _run(cfg: CacheJobConfig, info: DistInfo) -> Path:
+    cache_dir = Path(cfg.cache.dir)
+    device = pick_device(cfg.cache.device, info)
+    if info.is_main:
+        resolve_verifier_dir(cfg.verifier)  # convert a GGUF once, before the other ranks look for it
+    barrier()
+    if _already_complete(cache_dir, cfg):
+        if info.is_main:
+            log.info("%s is complete for this configuration; nothing to do", cache_dir)
+        return cache_dir
+    prep = prepare(cfg, info, device)
+    if info.is_main:
+        done = claim_directory(cache_dir, prep.plan_record, cfg.cache.overwrite)
+        if not done:
+            remove_stale_temporaries(cache_dir)
+            if not (cache_dir / "draft_vocab.safetensors").is_file():
+                save_draft_vocab(cache_dir / "draft_vocab.safetensors", prep.d2t, prep.t2d, prep.counts)
+    barrier()
+    if (cache_dir / "manifest.json").is_file():
+        if info.is_main:
+            log.info("%s is complete; nothing to do", cache_dir)
+        return cache_dir
+
+    storage = parse_dtype(cfg.cache.storage_dtype)
+    mine = [s for s in range(len(prep.plan.shards)) if s % info.world_size == info.rank]
+    todo = [s for s in mine if complete_shard(cache_dir, s, verify=cfg.cache.verify_on_resume) is None]
+    if len(todo) < len(mine):
+        log.info("rank %d: %d of %d shards already complete", info.rank, len(mine) - len(todo), len(mine))
+    lengths = [len(s.input_ids) for s in prep.samples]
+    total = sum(lengths[i] for s in todo for i in prep.plan.conversations(s))
+    bar = tqdm(total=total, unit="tok", unit_scale=True, desc=f"cache[{info.rank}]", disable=not info.is_main, smoothing=0.1)
+    writer = ShardWriter(cache_dir)
+    try:
+        for s in todo:
+            shard = cache_shard(prep.verifier, prep.samples, prep.plan.shards[s], storage, on_batch=bar.update)
+            writer.put(s, shard)
+    finally:
+        writer.close()
+        bar.close()
+    barrier()
+    if info.is_main:
+        manifest = write_manifest(cache_dir, cfg, prep)
+        log.info(
+            "cache %s: %d conversations, %d tokens (%d in the loss), %d shards, %.1f MB (%.0f bytes/token)",
+            cache_dir,
+            manifest["num_conversations"],
+            manifest["num_tokens"],
+            manifest["num_loss_tokens"],
+            len(manifest["shards"]),
+            manifest["bytes"] / 1e6,
+            manifest["bytes"] / max(1, manifest["num_tokens"]),
+        )
+    barrier()
+    return cache_dir

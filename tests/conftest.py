@@ -1,0 +1,84 @@
+"""Shared fixtures: tiny random verifiers (with the default verifier's real tokenizer) and small conversation files."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+# Tests never touch the user's cache of converted verifiers, and never reach for a network.
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def tiny_hf_config(arch: str, vocab_size: int, layers: int = 8, hidden: int = 32):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}[arch]
+    if arch == "qwen3":
+        common["head_dim"] = hidden // 4
+    return cls(**common)
+
+
+@pytest.fixture(scope="session")
+def smollm_tokenizer():
+    from models.verifier import VerifierConfig, load_tokenizer
+
+    return load_tokenizer(VerifierConfig())
+
+
+def make_tiny_verifier(root: Path, arch: str, tokenizer, seed: int = 0, layers: int = 8) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    out = root / f"tiny-{arch}-{seed}-{layers}"
+    if (out / "config.json").is_file():
+        return out
+    torch.manual_seed(seed)
+    config = tiny_hf_config(arch, vocab_size=len(tokenizer), layers=layers)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_verifier_dir(tmp_path_factory, smollm_tokenizer) -> Path:
+    """A tiny random Llama (8 layers, H=32) carrying SmolLM2's tokenizer and ChatML template."""
+    return make_tiny_verifier(tmp_path_factory.mktemp("verifiers"), "llama", smollm_tokenizer)
+
+
+WORDS = "the a of to and in is it you that he was for on are with as I his they be at one have this from".split()
+
+
+def write_sharegpt_jsonl(path: Path, n: int, seed: int = 0, max_words: int = 60) -> Path:
+    rng = random.Random(seed)
+    with open(path, "w") as fh:
+        for i in range(n):
+            turns = []
+            for _ in range(rng.randint(1, 3)):
+                turns.append({"from": "human", "value": " ".join(rng.choices(WORDS, k=rng.randint(3, max_words)))})
+                turns.append({"from": "gpt", "value": " ".join(rng.choices(WORDS, k=rng.randint(3, max_words)))})
+            fh.write(json.dumps({"id": f"c{i}", "conversations": turns}) + "\n")
+    return path
+
+
+@pytest.fixture
+def conversations_file(tmp_path) -> Path:
+    return write_sharegpt_jsonl(tmp_path / "convs.jsonl", 40)

@@ -1,0 +1,193 @@
+"""The hidden-state cache: contents, resume after kill -9, damage and mismatch detection, torchrun equality."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from data.cache import CacheError, CacheReader, plan_shards
+from launch.cli import run_stage
+
+from conftest import make_tiny_verifier, write_sharegpt_jsonl
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def cache_overrides(verifier_dir: Path, source: Path, cache_dir: Path, **extra: object) -> list[str]:
+    args = {
+        "verifier.name_or_path": verifier_dir,
+        "verifier.dtype": "float32",
+        "data.source": source,
+        "data.max_conversations": "null",
+        "data.max_length": 256,
+        "cache.dir": cache_dir,
+        "cache.shard_bytes": 20000,
+        "cache.batch_tokens": 512,
+        "cache.draft_vocab_size": 64,
+        "cache.device": "cpu",
+    }
+    args.update(extra)
+    return [f"{k}={v}" for k, v in args.items()]
+
+
+def run_cli(overrides: list[str], env: dict[str, str] | None = None, nproc: int = 1, check: bool = True):
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "launch.cli", "cache", *overrides]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port=29533",
+               "-m", "launch.cli", "cache", *overrides]
+    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=300)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{cmd} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def shard_bytes(cache_dir: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted((cache_dir / "shards").glob("shard-*.safetensors"))}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, tiny_verifier_dir):
+    root = tmp_path_factory.mktemp("cache")
+    source = write_sharegpt_jsonl(root / "convs.jsonl", 24, max_words=40)
+    cache_dir = root / "clean"
+    run_stage("cache", cache_overrides(tiny_verifier_dir, source, cache_dir))
+    return source, cache_dir
+
+
+def test_reader_serves_the_verifier_states(built, tiny_verifier_dir):
+    from transformers import AutoModelForCausalLM
+
+    _, cache_dir = built
+    reader = CacheReader(cache_dir)
+    m = reader.manifest
+    assert m["num_conversations"] == len(reader) > 0
+    assert len(m["shards"]) > 3, "the test wants several shards"
+    assert m["aux_layer_ids"] == [2, 4, 5]
+    model = AutoModelForCausalLM.from_pretrained(tiny_verifier_dir, dtype=torch.float32).eval()
+    for i in (0, len(reader) - 1):
+        sample = reader[i]
+        T = len(sample["input_ids"])
+        assert sample["aux"].shape == (T, 3 * 32) and sample["final"].shape == (T, 32)
+        assert sample["aux"].dtype == torch.bfloat16
+        assert 0 < int(sample["loss_mask"].sum()) < T
+        with torch.no_grad():
+            out = model(sample["input_ids"][None], output_hidden_states=True)
+        hs = out.hidden_states
+        # Aux ids are output_hidden_states indices; the final state is the normed output (hidden_states[-1]).
+        expected = torch.cat([hs[2], hs[4], hs[5]], dim=-1)[0]
+        torch.testing.assert_close(sample["aux"].float(), expected, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(sample["final"].float(), hs[-1][0], atol=2e-2, rtol=2e-2)
+    d2t, t2d = reader.draft_vocab()
+    assert d2t.shape == (64,) and t2d.sum() == 64
+
+
+def test_rerun_of_a_complete_cache_does_nothing(built, tiny_verifier_dir):
+    source, cache_dir = built
+    before = {p: p.stat().st_mtime_ns for p in (cache_dir / "shards").iterdir()}
+    run_stage("cache", cache_overrides(tiny_verifier_dir, source, cache_dir))
+    assert before == {p: p.stat().st_mtime_ns for p in (cache_dir / "shards").iterdir()}
+
+
+@pytest.mark.parametrize("fault", ["after_shard:2", "before_rename:3"])
+def test_killed_run_resumes_to_identical_shards(built, tiny_verifier_dir, tmp_path, fault):
+    source, clean = built
+    cache_dir = tmp_path / "resumed"
+    proc = run_cli(cache_overrides(tiny_verifier_dir, source, cache_dir), env={"FLEDGE_FAULT": fault}, check=False)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert not (cache_dir / "manifest.json").exists()
+    with pytest.raises(CacheError, match="incomplete"):
+        CacheReader(cache_dir)
+    run_cli(cache_overrides(tiny_verifier_dir, source, cache_dir))
+    assert shard_bytes(cache_dir) == shard_bytes(clean)
+    assert not list((cache_dir / "shards").glob("*.tmp-*"))
+    CacheReader(cache_dir).verify_all()
+
+
+def test_kill_minus_nine_at_a_random_moment(built, tiny_verifier_dir, tmp_path):
+    source, clean = built
+    cache_dir = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "launch.cli", "cache", *cache_overrides(tiny_verifier_dir, source, cache_dir)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and not list((cache_dir / "shards").glob("*.json")) and proc.poll() is None:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    run_cli(cache_overrides(tiny_verifier_dir, source, cache_dir))
+    assert shard_bytes(cache_dir) == shard_bytes(clean)
+
+
+def test_damaged_shard_is_detected(built, tmp_path):
+    _, clean = built
+    cache_dir = tmp_path / "damaged"
+    shutil.copytree(clean, cache_dir)
+    victim = sorted((cache_dir / "shards").glob("shard-*.safetensors"))[1]
+    data = bytearray(victim.read_bytes())
+    data[-10] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    reader = CacheReader(cache_dir)
+    with pytest.raises(CacheError, match=f"{victim.name}.*damaged"):
+        reader.verify_all()
+
+
+def test_mismatched_verifier_is_refused(built, tmp_path_factory, smollm_tokenizer, tiny_verifier_dir):
+    from data.cache import CacheIdentity
+
+    _, cache_dir = built
+    reader = CacheReader(cache_dir)
+    other = make_tiny_verifier(tmp_path_factory.mktemp("other"), "llama", smollm_tokenizer, seed=1)
+    from models.verifier import weight_fingerprint
+
+    expect = CacheIdentity(**{**reader.identity.__dict__, "verifier_fingerprint": weight_fingerprint(other)})
+    with pytest.raises(CacheError, match="verifier_fingerprint"):
+        CacheReader(cache_dir, expect=expect)
+    expect = CacheIdentity(**{**reader.identity.__dict__, "aux_layer_ids": [1, 4, 5]})
+    with pytest.raises(CacheError, match="aux_layer_ids"):
+        CacheReader(cache_dir, expect=expect)
+    expect = CacheIdentity(**{**reader.identity.__dict__, "chat_template_hash": "0" * 16})
+    with pytest.raises(CacheError, match="chat_template_hash"):
+        CacheReader(cache_dir, expect=expect)
+    assert reader.identity.verifier_fingerprint == weight_fingerprint(tiny_verifier_dir)
+
+
+def test_other_inputs_in_the_same_directory_are_refused(built, tiny_verifier_dir, tmp_path_factory, smollm_tokenizer):
+    source, clean = built
+    other = make_tiny_verifier(tmp_path_factory.mktemp("other2"), "llama", smollm_tokenizer, seed=2)
+    with pytest.raises(CacheError, match="identity"):
+        run_stage("cache", cache_overrides(other, source, clean))
+
+
+def test_two_process_torchrun_cache_equals_one_process(built, tiny_verifier_dir, tmp_path):
+    source, clean = built
+    cache_dir = tmp_path / "torchrun"
+    run_cli(cache_overrides(tiny_verifier_dir, source, cache_dir), nproc=2)
+    assert shard_bytes(cache_dir) == shard_bytes(clean)
+    one = json.loads((clean / "manifest.json").read_text())
+    two = json.loads((cache_dir / "manifest.json").read_text())
+    assert [s["sha256"] for s in one["shards"]] == [s["sha256"] for s in two["shards"]]
+    assert load_file(str(cache_dir / "draft_vocab.safetensors")).keys() == load_file(str(clean / "draft_vocab.safetensors")).keys()
+
+
+def test_plan_is_length_sorted_within_budget():
+    lengths = [5, 100, 30, 30, 7, 64, 1, 90]
+    plan = plan_shards(lengths, bytes_per_token=10, shard_bytes=1500, batch_tokens=200, max_batch_size=3)
+    seen = sorted(i for shard in plan.shards for batch in shard for i in batch)
+    assert seen == list(range(len(lengths)))
+    flat = [i for shard in plan.shards for batch in shard for i in batch]
+    assert [lengths[i] for i in flat] == sorted(lengths, reverse=True)
+    for shard in plan.shards:
+        for batch in shard:
+            assert len(batch) <= 3 and len(batch) * max(lengths[i] for i in batch) <= 200 or len(batch) == 1
