@@ -86,8 +86,6 @@ def _config_hash(cfg: CacheJobConfig, fingerprint: str) -> str:
 def prepare(cfg: CacheJobConfig, info: DistInfo, device: torch.device) -> Prepared:
     verifier = load_verifier(cfg.verifier, device)
     conversations, report = load_conversations(cfg.data)
-    if info.is_main:
-        log.info("%s", report.summary())
     samples, stats = tokenize_all(verifier.tokenizer, conversations, cfg.data.max_length, desc="tokenize")
     if not samples:
         raise CacheError(f"no usable conversation in {cfg.data.source!r} ({report.summary()})")

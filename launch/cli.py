@@ -57,28 +57,24 @@ def register_schema(name: str, config_cls: type) -> None:
     ConfigStore.instance().store(name=f"{name}_schema", node=config_cls)
 
 
-def run_stage(name: str, overrides: list[str]) -> Any:
-    """Compose ``conf/<name>.yaml`` with overrides and run the stage; also what tests call (no sys.argv games)."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    stage = STAGES[name]
-    register_schema(name, _load(stage.config))
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        cfg = compose(config_name=name, overrides=overrides)
-    return _load(stage.run)(OmegaConf.to_object(cfg))
-
-
 def compose_config(name: str, overrides: list[str] | None = None) -> Any:
     """The typed config of a stage after overrides, without running it (tests compose every shipped config)."""
     from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
     stage = STAGES[name]
     register_schema(name, _load(stage.config))
+    # A stage may run another (the quickstart runs them all): start from a clean Hydra each time.
+    GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = compose(config_name=name, overrides=overrides or [])
     return OmegaConf.to_object(cfg)
+
+
+def run_stage(name: str, overrides: list[str]) -> Any:
+    """Compose ``conf/<name>.yaml`` with overrides and run the stage; also what tests call (no sys.argv games)."""
+    return _load(STAGES[name].run)(compose_config(name, overrides))
 
 
 def _hydra_main(name: str, argv: list[str]) -> None:
@@ -87,11 +83,10 @@ def _hydra_main(name: str, argv: list[str]) -> None:
 
     stage = STAGES[name]
     register_schema(name, _load(stage.config))
-    result: dict[str, Any] = {}
 
     @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name=name)
     def app(cfg) -> None:
-        result["value"] = _load(stage.run)(OmegaConf.to_object(cfg))
+        _load(stage.run)(OmegaConf.to_object(cfg))
 
     sys.argv = [f"fledge {name.replace('_', ' ')}", *argv]
     app()
