@@ -514,12 +514,14 @@ def load_prompts(source: str = "mtbench", max_prompts: int | None = None) -> lis
     prompts: list[dict] = []
     if source == "mtbench":
         for rec in iter_jsonl(mtbench_dir() / "question.jsonl", Counter(), progress=False):
-            prompts.append({"id": str(rec["question_id"]), "category": rec.get("category"), "turns": list(rec["turns"])})
+            turns = list(rec["turns"])
+            prompts.append({"id": str(rec["question_id"]), "category": rec.get("category"), "turns": turns})
     elif source in ("sharegpt",) or source.startswith("hf:"):
         cfg = DataConfig(source=source, max_conversations=max_prompts, require_assistant=False)
         conversations, _ = load_conversations(cfg)
         for i, conv in enumerate(conversations):
-            prompts.append({"id": str(i), "category": None, "turns": [m["content"] for m in conv if m["role"] == "user"]})
+            turns = [m["content"] for m in conv if m["role"] == "user"]
+            prompts.append({"id": str(i), "category": None, "turns": turns})
     else:
         path = Path(source).expanduser()
         skipped: Counter = Counter()
