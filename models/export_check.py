@@ -30,7 +30,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -655,19 +655,18 @@ def _check_embedding_and_head(ckpt: ServingCheckpoint, verifier_embed: torch.Ten
 
 
 def _check_against_verifier(cfg: dict, verifier: dict, add) -> None:
-    pairs = [
-        ("vocab_size", "vocab_size"),
-        ("target_hidden_size", "hidden_size"),
-        ("hidden_size", "hidden_size"),
+    # fc reads three verifier states and t2d spans the verifier's vocabulary: both must be this verifier's.
+    # A draft narrower than its verifier is legal (SGLang then keeps the draft's own embedding), hence a warning.
+    compared: list[tuple[str, Any, Any, Level]] = [
+        ("vocab_size", cfg.get("vocab_size"), verifier.get("vocab_size"), "error"),
+        ("target_hidden_size", cfg.get("target_hidden_size") or cfg.get("hidden_size"), verifier.get("hidden_size"), "error"),
+        ("hidden_size", cfg.get("hidden_size"), verifier.get("hidden_size"), "warning"),
     ]
-    for draft_key, verifier_key in pairs:
-        ours = cfg.get(draft_key) if draft_key != "target_hidden_size" else cfg.get(draft_key, cfg.get("hidden_size"))
-        theirs = verifier.get(verifier_key)
+    for key, ours, theirs, level in compared:
         if ours is not None and theirs is not None and int(ours) != int(theirs):
-            level: Level = "warning" if draft_key == "hidden_size" else "error"
             add(
                 level,
-                f"verifier-{draft_key.replace('_', '-')}",
-                f"{draft_key} {ours} differs from the verifier's {verifier_key} {theirs}",
-                "check that this head was trained for this verifier",
+                f"verifier-{key.replace('_', '-')}",
+                f"{key} {ours} differs from the verifier's {'vocab_size' if key == 'vocab_size' else 'hidden_size'} {theirs}",
+                "check that this head was trained for this verifier (and pass the verifier it was trained for)",
             )

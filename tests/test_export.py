@@ -339,3 +339,24 @@ def test_cli_composes_and_dispatches(run_dir, verifier_dir, tmp_path, capsys):
         main(["export", "check", str(out), "--verifier", str(verifier_dir)])
     assert exit_info.value.code == 0
     assert "OK" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_cache_train_export_check_import(tmp_path, smollm_tokenizer):
+    """The whole pipeline on a tiny verifier: fledge cache -> fledge train (2 steps) -> fledge export -> check -> import."""
+    from conftest import make_tiny_verifier, write_sharegpt_jsonl
+
+    from launch.cli import run_stage
+
+    vdir = make_tiny_verifier(tmp_path, "llama", smollm_tokenizer)
+    convs = write_sharegpt_jsonl(tmp_path / "convs.jsonl", 16)
+    run_stage("cache", [f"verifier.name_or_path={vdir}", "verifier.dtype=float32", f"data.source={convs}",
+                        f"cache.dir={tmp_path / 'cache'}", "cache.draft_vocab_size=200", "data.max_length=256"])
+    run_stage("train", [f"cache_dir={tmp_path / 'cache'}", f"output_dir={tmp_path / 'train'}", "train.max_steps=2",
+                        "eval.holdout=0", "eval.every=0"])
+    out = run_stage("export", [f"checkpoint={tmp_path / 'train'}", "dtype=float32", "speculators=true"])
+    assert out == tmp_path / "train" / "serving"
+    assert check_checkpoint(out, vdir) == [] and check_checkpoint(speculators_dir(out), vdir) == []
+    trained, imported = load_draft(tmp_path / "train"), load_exported(out, vdir)
+    for key, value in trained.state_dict().items():
+        assert torch.equal(imported.state_dict()[key], value), key
