@@ -86,7 +86,13 @@ def _config_hash(cfg: CacheJobConfig, fingerprint: str) -> str:
 def prepare(cfg: CacheJobConfig, info: DistInfo, device: torch.device) -> Prepared:
     verifier = load_verifier(cfg.verifier, device)
     conversations, report = load_conversations(cfg.data)
-    samples, stats = tokenize_all(verifier.tokenizer, conversations, cfg.data.max_length, desc="tokenize")
+    samples, stats = tokenize_all(
+        verifier.tokenizer,
+        conversations,
+        cfg.data.max_length,
+        desc="tokenize",
+        template_kwargs=dict(cfg.data.chat_template_kwargs),
+    )
     if not samples:
         raise CacheError(f"no usable conversation in {cfg.data.source!r} ({report.summary()})")
     vocab_size = int(verifier.model.config.vocab_size)

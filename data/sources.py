@@ -65,6 +65,8 @@ class DataConfig:
     """Tokens per conversation after the chat template; longer conversations are truncated."""
     system_prompt: str | None = None
     """Prepended as a system turn when a conversation has none (None: whatever the chat template does by default)."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra variables for the chat template, e.g. ``{enable_thinking: false}`` for Qwen3."""
     require_assistant: bool = True
     """Training needs an assistant turn to put loss on. False keeps prompt-only conversations (user turns only),
     e.g. to regenerate the answers with the verifier: their user turns stay separate (not merged), and an unanswered
