@@ -1,0 +1,74 @@
+"""Chain speculative decoding: the drafter proposes n tokens, one verifier forward checks them all.
+
+Per round: one forward over [newest token, d_1..d_n]; greedy accepts the longest prefix that matches the
+verifier's argmax, sampling applies Leviathan's rule; the verifier cache is cropped back to the accepted prefix
+and the drafter is told which tokens were committed (with the verifier's features of those positions).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from eval.proposals import Drafter
+from eval.sampling import SamplingParams, leviathan_accept, target_probs
+from eval.verifier_state import DecodeResult, VerifierState, clock, stop_index
+
+
+@torch.inference_mode()
+def generate_chain(
+    model: nn.Module,
+    prompt_ids: torch.Tensor,
+    drafter: Drafter,
+    *,
+    num_draft_tokens: int,
+    max_new_tokens: int,
+    sampling: SamplingParams = SamplingParams(),
+    stop_ids: frozenset[int] = frozenset(),
+    aux_layer_ids: list[int] | None = None,
+    generator: torch.Generator | None = None,
+) -> DecodeResult:
+    """Decode up to ``max_new_tokens`` after ``prompt_ids`` [T]; lossless with respect to ``generate_plain``."""
+    if drafter.needs_aux and not aux_layer_ids:
+        raise ValueError("this drafter reads the verifier's aux hidden states: pass aux_layer_ids")
+    device = next(model.parameters()).device
+    result = DecodeResult(tokens=[])
+    start = clock(device)
+    with VerifierState(model, aux_layer_ids if drafter.needs_aux else None) as state:
+        drafter.start(prompt_ids.cpu(), state.prefill(prompt_ids))
+        result.prefill_seconds = clock(device) - start
+        tokens: list[int] = []
+        root = prompt_ids[-1:].clone().to(device)
+        done = max_new_tokens <= 0
+        while not done:
+            t0 = clock(device)
+            # A round emits at most n+1 tokens; drafting past the budget would only cost time.
+            draft = drafter.propose_chain(min(num_draft_tokens, max_new_tokens - len(tokens) - 1), sampling, generator)
+            t1 = clock(device)
+            n = draft.tokens.numel()
+            draft_tokens = draft.tokens.to(device)
+            logits, aux = state.forward(torch.cat([root, draft_tokens]))
+            if sampling.greedy:
+                predicted = torch.argmax(logits, dim=-1)
+                accepted = int(torch.cumprod(predicted[:n] == draft_tokens, dim=0).sum())
+                next_token = int(predicted[accepted])
+            else:
+                q = None if draft.q is None else draft.q.to(device)
+                accepted, next_token = leviathan_accept(target_probs(logits, sampling), draft_tokens, q, generator)
+            # Keep the root and the accepted drafts; the rejected drafts' keys/values go.
+            state.crop(state.length - n + accepted)
+            new_tokens = draft.tokens[:accepted].tolist() + [next_token]
+            tokens.extend(new_tokens)
+            root.fill_(next_token)
+            t2 = clock(device)
+            result.accepted.append(accepted)
+            result.proposed.append(n)
+            result.tree_nodes.append(n)
+            result.verify_seconds += t2 - t1
+            done = len(tokens) >= max_new_tokens or not stop_ids.isdisjoint(new_tokens)
+            if not done:
+                drafter.advance(torch.tensor(new_tokens), None if aux is None else aux[: accepted + 1])
+            result.draft_seconds += clock(device) - t2 + (t1 - t0)
+    result.tokens = tokens[: stop_index(tokens, stop_ids, max_new_tokens)]
+    result.seconds = clock(device) - start
+    return result

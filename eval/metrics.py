@@ -1,0 +1,111 @@
+"""Acceptance metrics: pure functions of an acceptance trace (accepted drafts per verifier call).
+
+Definitions (DESIGN.md "Acceptance"):
+* τ, the acceptance length, is the mean over verifier calls of (accepted draft tokens + 1): tokens per call.
+* n-α is P(the depth-n draft is accepted | all drafts before it were accepted), for chain drafting.
+* The per-token acceptance rate α pools every depth: accepted drafts / drafts that were decided on (a round with
+  k accepted decided k+1 drafts when it rejected one, k when all were accepted). It is the maximum-likelihood α of
+  Leviathan et al.'s i.i.d. model, whose expected tokens per call is E = (1 - α^(N+1)) / (1 - α), and whose
+  predicted speed-up is E / (N·c + 1) for a draft step costing c verifier steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class AcceptanceTrace:
+    accepted: list[int]
+    """Per verifier call: accepted draft tokens."""
+    num_draft: int
+    """N, the most drafts a round can propose (chain length, or tree depth)."""
+    proposed: list[int] | None = None
+    """Per verifier call: drafts actually offered (prompt lookup may offer fewer); None means N every round."""
+
+    def __post_init__(self) -> None:
+        if self.proposed is not None and len(self.proposed) != len(self.accepted):
+            raise ValueError(f"trace has {len(self.accepted)} rounds but {len(self.proposed)} proposal lengths")
+        bad = [a for a, p in zip(self.accepted, self.offered()) if not 0 <= a <= p]
+        if bad:
+            raise ValueError(f"accepted counts {bad} outside 0..proposed")
+
+    def offered(self) -> list[int]:
+        return self.proposed if self.proposed is not None else [self.num_draft] * len(self.accepted)
+
+
+def tau(trace: AcceptanceTrace) -> float:
+    """Mean tokens per verifier call (accepted drafts + the verifier's own token)."""
+    if not trace.accepted:
+        return 0.0
+    return sum(a + 1 for a in trace.accepted) / len(trace.accepted)
+
+
+def n_alpha(trace: AcceptanceTrace) -> list[float | None]:
+    """[1-α, 2-α, ..., N-α]; None where no round reached that depth with a draft there."""
+    out: list[float | None] = []
+    for depth in range(1, trace.num_draft + 1):
+        trials = sum(1 for a, p in zip(trace.accepted, trace.offered()) if p >= depth and a >= depth - 1)
+        passed = sum(1 for a in trace.accepted if a >= depth)
+        out.append(passed / trials if trials else None)
+    return out
+
+
+def acceptance_histogram(trace: AcceptanceTrace) -> list[int]:
+    """counts[k] = number of verifier calls that accepted exactly k drafts, k = 0..N."""
+    counts = [0] * (trace.num_draft + 1)
+    for a in trace.accepted:
+        counts[a] += 1
+    return counts
+
+
+def cumulative_acceptance(trace: AcceptanceTrace) -> list[float]:
+    """[P(accepted >= 1), ..., P(accepted >= N)] over verifier calls."""
+    rounds = max(len(trace.accepted), 1)
+    return [sum(1 for a in trace.accepted if a >= depth) / rounds for depth in range(1, trace.num_draft + 1)]
+
+
+def tau_by_length(trace: AcceptanceTrace) -> list[float]:
+    """τ a chain of n drafts would have had, for n = 0..N, read off this trace.
+
+    With chain drafting the first n drafts are accepted or not regardless of the drafts after them, so cutting the
+    trace at n is exact (for the same draft proposals), not a model.
+    """
+    rounds = max(len(trace.accepted), 1)
+    return [sum(min(a, n) + 1 for a in trace.accepted) / rounds for n in range(trace.num_draft + 1)]
+
+
+def acceptance_rate(trace: AcceptanceTrace) -> float:
+    """Pooled per-token α: accepted drafts / drafts decided on."""
+    accepted = sum(trace.accepted)
+    rejected = sum(1 for a, p in zip(trace.accepted, trace.offered()) if a < p)
+    return accepted / (accepted + rejected) if accepted + rejected else 0.0
+
+
+def expected_tokens_per_call(alpha: float, num_draft: int) -> float:
+    """E = (1 - α^(N+1)) / (1 - α), the expected tokens per verifier call (N + 1 at α = 1)."""
+    if alpha >= 1.0:
+        return float(num_draft + 1)
+    return (1.0 - alpha ** (num_draft + 1)) / (1.0 - alpha)
+
+
+def predicted_speedup(alpha: float, num_draft: int, cost_ratio: float) -> float:
+    """E / (N·c + 1): wall-time speed-up over plain decoding if a draft step costs ``cost_ratio`` verifier steps
+    and a verification costs one."""
+    return expected_tokens_per_call(alpha, num_draft) / (num_draft * cost_ratio + 1.0)
+
+
+def summarize(trace: AcceptanceTrace) -> dict:
+    """Every trace metric in one JSON-ready dict."""
+    alpha = acceptance_rate(trace)
+    return {
+        "rounds": len(trace.accepted),
+        "num_draft": trace.num_draft,
+        "tau": tau(trace),
+        "n_alpha": n_alpha(trace),
+        "cumulative_acceptance": cumulative_acceptance(trace),
+        "histogram": acceptance_histogram(trace),
+        "tau_by_length": tau_by_length(trace),
+        "alpha": alpha,
+        "expected_tokens_per_call": expected_tokens_per_call(alpha, trace.num_draft),
+    }

@@ -1,0 +1,258 @@
+"""What a drafter hands the verifier: a chain or an EAGLE-2 dynamic tree, and the protocols drafters implement.
+
+A ``Drafter`` owns its state (KV cache, context, RNG); the loops in ``eval/chain.py`` and ``eval/tree.py`` tell it
+which tokens were committed and ask it for the next proposal. Drafters that are step-wise models (EAGLE, the
+random test draft) implement the smaller ``DraftStepper`` and get chains and trees from ``propose_chain_with`` and
+``grow_tree``, so the EAGLE-2 tree logic exists once.
+
+Tree layout: nodes 0..M-1 in creation order (a parent always before its children, siblings in the order they are
+to be tried); row 0 of the verifier input is the root (the newest committed token) and row i+1 is node i.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from eval.sampling import SamplingParams, draft_probs, sample
+
+
+@dataclass
+class ChainDraft:
+    tokens: torch.Tensor
+    """[n] draft tokens in the verifier's vocabulary (n may be smaller than asked, even 0)."""
+    q: torch.Tensor | None
+    """[n, V] the distributions the tokens were sampled from; None when they were chosen deterministically."""
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    depth: int = 6
+    """Longest draft path (tree levels below the root); the draft runs depth-1 forwards per round."""
+    top_k: int = 8
+    """Children per expanded node, and nodes expanded per level (EAGLE-2's top-k)."""
+    total_tokens: int = 48
+    """Draft tokens kept in the tree after reranking (the root not counted): the verifier's batch is this + 1."""
+    sampled_children: bool = False
+    """Sampling only. False: EAGLE-2's deterministic top-k children, verified with point-mass proposals (EAGLE's
+    ``evaluate_posterior``). True: children drawn without replacement from q (Gumbel top-k), verified with
+    min(1, p/q) and q renormalised after each rejection; the rerank then keeps or drops each sibling group whole,
+    because dropping single children by their value would bias the output."""
+
+    def __post_init__(self) -> None:
+        if self.depth < 1 or self.top_k < 1:
+            raise ValueError(f"tree depth and top_k must be >= 1, got depth={self.depth}, top_k={self.top_k}")
+        if self.total_tokens < self.top_k:
+            raise ValueError(
+                f"tree total_tokens ({self.total_tokens}) must be >= top_k ({self.top_k}): the root's children "
+                "alone are top_k tokens"
+            )
+
+
+@dataclass
+class DraftTree:
+    tokens: torch.Tensor
+    """[M] draft tokens in the verifier's vocabulary."""
+    parents: torch.Tensor
+    """[M] index of each node's parent node, -1 for children of the root."""
+    depths: torch.Tensor
+    """[M] 1 for children of the root; the verifier position of node i is (root position + depths[i])."""
+    q: torch.Tensor | None
+    """[P, Vd] draft distributions the children of a node were sampled from; None for deterministic children."""
+    q_rows: list[int]
+    """Per row (0 = root, i+1 = node i): its row in ``q``, or -1."""
+    draft_to_target: torch.Tensor | None
+    """[Vd] verifier id of each draft-vocabulary id; None when the vocabularies coincide."""
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.numel())
+
+    def q_target(self, row: int, vocab_size: int) -> torch.Tensor | None:
+        """The proposal distribution at tree row ``row`` over the verifier's vocabulary, or None."""
+        if self.q is None or self.q_rows[row] < 0:
+            return None
+        q = self.q[self.q_rows[row]]
+        if self.draft_to_target is None:
+            return q
+        return torch.zeros(vocab_size, dtype=q.dtype, device=q.device).index_copy_(0, self.draft_to_target, q)
+
+
+class DraftStepper(Protocol):
+    """A draft that predicts step by step; positions fed through it are addressed by slot numbers.
+
+    Slots are numbered from 0 after each ``start``/``advance``; slot -1 is the committed context itself.
+    """
+
+    draft_to_target: torch.Tensor | None
+    target_vocab_size: int
+
+    def root_logits(self) -> torch.Tensor:
+        """[Vd] logits for the token after the newest committed token."""
+        ...
+
+    def expand(self, parent_slots: list[int], tokens: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """Feed ``tokens`` [k] (verifier ids), each as the child of ``parent_slots[i]``; returns the logits [k, Vd]
+        for each one's next token and the new slots. A node sees the committed context and its own ancestors only."""
+        ...
+
+
+class Drafter(Protocol):
+    needs_aux: bool
+    """Whether ``start``/``advance`` need the verifier's aux hidden states (EAGLE) or only tokens."""
+    supports_tree: bool
+
+    def start(self, context: torch.Tensor, aux: torch.Tensor | None) -> None:
+        """A new sequence: ``context`` [L] committed tokens; ``aux`` [L-1, 3H] the verifier's features of
+        positions 0..L-2 (row t pairs with token t+1)."""
+        ...
+
+    def advance(self, new_tokens: torch.Tensor, aux: torch.Tensor | None) -> None:
+        """``new_tokens`` [n] were committed; ``aux`` [n, 3H] are the verifier's features of the positions right
+        before each of them. Forgets everything speculative from the last proposal."""
+        ...
+
+    def propose_chain(
+        self, n: int, sampling: SamplingParams, generator: torch.Generator | None
+    ) -> ChainDraft: ...
+
+    def propose_tree(
+        self, shape: TreeShape, sampling: SamplingParams, generator: torch.Generator | None
+    ) -> DraftTree: ...
+
+
+def _to_target(stepper: DraftStepper, draft_ids: torch.Tensor) -> torch.Tensor:
+    return draft_ids if stepper.draft_to_target is None else stepper.draft_to_target[draft_ids]
+
+
+def propose_chain_with(
+    stepper: DraftStepper, n: int, sampling: SamplingParams, generator: torch.Generator | None
+) -> ChainDraft:
+    """n drafts, each fed back as the input of the next: argmax when greedy, else sampled from q (temperature)."""
+    logits = stepper.root_logits()
+    draft_ids: list[torch.Tensor] = []
+    qs: list[torch.Tensor] = []
+    slot = -1
+    for i in range(n):
+        if i:
+            step_logits, (slot,) = stepper.expand([slot], _to_target(stepper, draft_ids[-1]))
+            logits = step_logits[0]
+        if sampling.greedy:
+            draft_ids.append(torch.argmax(logits).view(1))
+        else:
+            q = draft_probs(logits, sampling.temperature)
+            draft_ids.append(sample(q, generator))
+            qs.append(q)
+    if not draft_ids:
+        return ChainDraft(tokens=torch.empty(0, dtype=torch.long), q=None)
+    tokens = _to_target(stepper, torch.cat(draft_ids))
+    q_target = None
+    if qs:
+        q_draft = torch.stack(qs)
+        if stepper.draft_to_target is None:
+            q_target = q_draft
+        else:
+            q_target = q_draft.new_zeros(n, stepper.target_vocab_size)
+            q_target.index_copy_(1, stepper.draft_to_target, q_draft)
+    return ChainDraft(tokens=tokens, q=q_target)
+
+
+def _children(
+    logq: torch.Tensor, k: int, sampled: bool, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R, Vd] log-probabilities -> ([R, k] child ids, [R, k] their log q), in the order they are to be tried."""
+    k = min(k, logq.shape[-1])
+    if sampled:
+        # Gumbel top-k: the k largest of log q + Gumbel noise are k draws without replacement, in draw order.
+        u = torch.rand(logq.shape, generator=generator, device=logq.device).clamp_min_(1e-20)
+        ids = torch.topk(logq - torch.log(-torch.log(u)), k, dim=-1).indices
+        return ids, logq.gather(-1, ids)
+    values, ids = torch.topk(logq, k, dim=-1)
+    return ids, values
+
+
+def grow_tree(
+    stepper: DraftStepper, shape: TreeShape, sampling: SamplingParams, generator: torch.Generator | None
+) -> DraftTree:
+    """EAGLE-2's dynamic tree: expand the top-k nodes of each level by path confidence (cumulative draft log
+    probability), then rerank every node grown to ``shape.total_tokens``.
+
+    Path confidence only ever decreases along a path, and ties go to the earlier node, so the kept set contains the
+    parent of every kept node.
+    """
+    temperature = 1.0 if sampling.greedy else sampling.temperature
+    sampled = shape.sampled_children and not sampling.greedy
+    logq = torch.log_softmax(stepper.root_logits().float().view(1, -1) / temperature, dim=-1)
+    q_tables = [logq.exp()] if sampled else []
+    q_row_of: dict[int, int] = {-1: 0}  # node index -> row in the q table (-1: the root)
+    slot_of: dict[int, int] = {-1: -1}  # node index -> stepper slot of that node
+
+    ids, child_logq = _children(logq, shape.top_k, sampled, generator)
+    valid = torch.isfinite(child_logq[0])
+    level_tokens = ids[0][valid]
+    level_parents = torch.full_like(level_tokens, -1)
+    level_scores = child_logq[0][valid]
+    tokens, parents, scores, depths = [level_tokens], [level_parents], [level_scores], [torch.ones_like(level_tokens)]
+    level_start = 0
+    device = logq.device
+    for depth in range(2, shape.depth + 1):
+        if level_tokens.numel() == 0:
+            break
+        order = torch.sort(level_scores, descending=True, stable=True).indices[: shape.top_k]
+        expanded = (order + level_start).tolist()
+        parent_slots = [slot_of[p] for p in level_parents[order].tolist()]
+        logits, slots = stepper.expand(parent_slots, _to_target(stepper, level_tokens[order]))
+        slot_of.update(zip(expanded, slots))
+        logq = torch.log_softmax(logits.float() / temperature, dim=-1)
+        if sampled:
+            first_row = sum(len(t) for t in q_tables)
+            q_row_of.update({node: first_row + i for i, node in enumerate(expanded)})
+            q_tables.append(logq.exp())
+        ids, child_logq = _children(logq, shape.top_k, sampled, generator)
+        valid = torch.isfinite(child_logq).flatten()
+        level_start += level_tokens.numel()
+        level_tokens = ids.flatten()[valid]
+        level_parents = torch.tensor(expanded, device=device).repeat_interleave(ids.shape[1])[valid]
+        level_scores = (level_scores[order].unsqueeze(1) + child_logq).flatten()[valid]
+        tokens.append(level_tokens)
+        parents.append(level_parents)
+        scores.append(level_scores)
+        depths.append(torch.full_like(level_tokens, depth))
+
+    all_tokens, all_parents = torch.cat(tokens), torch.cat(parents)
+    all_scores, all_depths = torch.cat(scores), torch.cat(depths)
+    if sampled:
+        keep = _keep_whole_groups(all_parents, all_scores, shape.total_tokens)
+    else:
+        keep = torch.sort(all_scores, descending=True, stable=True).indices[: shape.total_tokens].sort().values
+    new_index = torch.full((all_tokens.numel(),), -1, dtype=torch.long, device=keep.device)
+    new_index[keep] = torch.arange(keep.numel(), device=keep.device)
+    kept_parents = all_parents[keep]
+    kept_parents = torch.where(kept_parents >= 0, new_index[kept_parents.clamp_min(0)], kept_parents)
+    q_rows = [0 if sampled else -1] + [q_row_of.get(node, -1) for node in keep.tolist()]
+    return DraftTree(
+        tokens=_to_target(stepper, all_tokens[keep]),
+        parents=kept_parents,
+        depths=all_depths[keep],
+        q=torch.cat(q_tables) if sampled else None,
+        q_rows=q_rows,
+        draft_to_target=stepper.draft_to_target,
+    )
+
+
+def _keep_whole_groups(parents: torch.Tensor, scores: torch.Tensor, budget: int) -> torch.Tensor:
+    """Nodes of the best sibling groups (ranked by their parent's confidence) that fit in ``budget``, ascending.
+
+    A group's fate depends only on its parent's score, never on the values its sampled children drew, which is
+    what keeps recursive rejection sampling exact on the pruned tree.
+    """
+    group_parents, sizes = torch.unique_consecutive(parents, return_counts=True)
+    parent_scores = torch.where(group_parents >= 0, scores[group_parents.clamp_min(0)], 0.0)
+    order = torch.sort(parent_scores, descending=True, stable=True).indices
+    fits = torch.cumsum(sizes[order], 0) <= budget
+    starts = torch.cumsum(sizes, 0) - sizes
+    chosen = order[fits]
+    keep = [torch.arange(int(starts[g]), int(starts[g] + sizes[g]), device=parents.device) for g in chosen.tolist()]
+    return torch.cat(keep).sort().values

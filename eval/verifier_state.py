@@ -1,0 +1,186 @@
+"""The verifier side of decoding: its KV cache with rollback, aux-feature capture, and plain decoding (the baseline).
+
+Invariant kept by every loop in ``eval/``: the cache holds keys/values of every committed token except the newest
+one; the newest token is the first input of the next verifier forward (the "root" of the next chain or tree).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+from eval.sampling import SamplingParams, sample, target_probs
+from models.capture import Captured, capture_hidden
+
+
+@dataclass
+class DecodeResult:
+    """One generation: the tokens and what the loop measured on the way."""
+
+    tokens: list[int]
+    """Generated token ids (prompt excluded), cut after the first stop token or at max_new_tokens."""
+    accepted: list[int] = field(default_factory=list)
+    """Per verifier call after the prefill: how many draft tokens it accepted."""
+    proposed: list[int] = field(default_factory=list)
+    """Per verifier call: the longest draft path it checked (chain: drafts proposed; tree: tree depth)."""
+    tree_nodes: list[int] = field(default_factory=list)
+    """Per verifier call: draft tokens sent to the verifier (equals ``proposed`` for chains)."""
+    draft_steps: int = 0
+    """Draft forward passes (tree: one per depth), for the draft/verifier cost ratio."""
+    draft_seconds: float = 0.0
+    """Time spent proposing and updating the drafter."""
+    verify_seconds: float = 0.0
+    """Time spent in verifier forwards after the prefill, acceptance and cache rollback included."""
+    prefill_seconds: float = 0.0
+    seconds: float = 0.0
+    """Wall time of the whole generation, prefill included."""
+
+    @property
+    def verifier_calls(self) -> int:
+        return len(self.accepted)
+
+
+def clock(device: torch.device) -> float:
+    """perf_counter that waits for queued GPU work, so that draft and verifier times do not bleed into each other."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def stop_index(tokens: list[int], stop_ids: frozenset[int], limit: int) -> int | None:
+    """Length to cut ``tokens`` to when it contains a stop token (kept) or exceeds ``limit``; None to go on."""
+    for i, t in enumerate(tokens[:limit]):
+        if t in stop_ids:
+            return i + 1
+    return limit if len(tokens) >= limit else None
+
+
+class VerifierState:
+    """A verifier's KV cache over the committed sequence, rolled back or compacted after each verification.
+
+    With ``aux_layer_ids`` the hooks of ``capture_hidden`` stay installed for the state's lifetime (use it as a
+    context manager), so that each forward also returns the three aux states of its positions, concatenated
+    [n, 3H], for drafters that read the verifier's features.
+    """
+
+    def __init__(self, model: nn.Module, aux_layer_ids: list[int] | None = None):
+        self.model = model
+        self.device = next(model.parameters()).device
+        # No config: every layer is a plain DynamicLayer that keeps all positions, which ``keep`` relies on; a
+        # sliding window is then enforced by the masks alone (the model's own masks, or ``tree_attention_mask``).
+        self.cache = DynamicCache()
+        self._hooks = ExitStack()
+        self._captured: Captured | None = None
+        if aux_layer_ids:
+            self._captured = self._hooks.enter_context(capture_hidden(model, list(aux_layer_ids), final=False))
+
+    def __enter__(self) -> VerifierState:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._hooks.close()
+
+    @property
+    def length(self) -> int:
+        return self.cache.get_seq_length()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        last_only: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Append ``input_ids`` [n] to the cache; returns logits [n, V] (or [1, V]) and aux [n, 3H] or None.
+
+        ``position_ids`` [n] and a 4D additive ``attention_mask`` [1, 1, n, length + n] are for tree inputs;
+        without them the tokens continue the sequence causally.
+        """
+        out = self.model(
+            input_ids=input_ids.view(1, -1),
+            position_ids=None if position_ids is None else position_ids.view(1, -1),
+            attention_mask=attention_mask,
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=1 if last_only else 0,
+        )
+        aux = None
+        if self._captured is not None:
+            aux = torch.cat([a[0] for a in self._captured.aux], dim=-1)
+        return out.logits[0], aux
+
+    def prefill(self, prompt_ids: torch.Tensor) -> torch.Tensor | None:
+        """Cache every prompt token but the last, which becomes the root of the first speculative round, so that
+        even the first generated token comes out of a verification. Returns those positions' aux states."""
+        if prompt_ids.numel() < 2:
+            return None
+        _, aux = self.forward(prompt_ids[:-1].to(self.device), last_only=True)
+        return aux
+
+    def crop(self, length: int) -> None:
+        """Drop every cached position from ``length`` on."""
+        extra = self.length - length
+        if extra > 0:
+            self.cache.crop(-extra)
+
+    def keep(self, start: int, offsets: list[int]) -> None:
+        """Keep positions ``[0, start)`` and ``start + offsets`` (ascending), packed contiguously; drop the rest.
+
+        After a tree pass only the accepted path survives; its positions are scattered through the tree block.
+        The kept keys/values are moved down in place (a copy of a few rows), and the tail is cut off by a view.
+        """
+        contiguous = offsets == list(range(len(offsets)))
+        if not contiguous:
+            src = torch.tensor(offsets, device=self.device) + start
+            for layer in self.cache.layers:
+                if not isinstance(layer, DynamicLayer) or isinstance(layer, DynamicSlidingWindowLayer):
+                    raise TypeError(f"cannot compact a {type(layer).__name__}; VerifierState needs DynamicLayer")
+                # Advanced indexing copies first, so the overlapping destination cannot corrupt the source.
+                layer.keys[..., start : start + len(offsets), :] = layer.keys[..., src, :]
+                layer.values[..., start : start + len(offsets), :] = layer.values[..., src, :]
+        self.crop(start + len(offsets))
+
+
+def pick_token(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> int:
+    """The verifier's own next token from logits [V]: argmax, or a sample of its processed distribution."""
+    if sampling.greedy:
+        return int(torch.argmax(logits))
+    return int(sample(target_probs(logits, sampling), generator))
+
+
+@torch.inference_mode()
+def generate_plain(
+    model: nn.Module,
+    prompt_ids: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    sampling: SamplingParams = SamplingParams(),
+    stop_ids: frozenset[int] = frozenset(),
+    generator: torch.Generator | None = None,
+) -> DecodeResult:
+    """Plain autoregressive decoding with a KV cache: the baseline every speculative loop is measured against."""
+    device = next(model.parameters()).device
+    start = clock(device)
+    state = VerifierState(model)
+    logits, _ = state.forward(prompt_ids.to(device), last_only=True)
+    prefill = clock(device) - start
+    tokens: list[int] = []
+    step_input = torch.empty(1, dtype=torch.long, device=device)
+    while True:
+        token = pick_token(logits[-1], sampling, generator)
+        tokens.append(token)
+        if token in stop_ids or len(tokens) >= max_new_tokens:
+            break
+        step_input.fill_(token)
+        logits, _ = state.forward(step_input, last_only=True)
+    seconds = clock(device) - start
+    return DecodeResult(tokens=tokens, prefill_seconds=prefill, seconds=seconds, verify_seconds=seconds - prefill)

@@ -1,0 +1,232 @@
+"""Speculative sampling is distributed exactly as the verifier: first the acceptance rules on their own, then the
+real chain and tree loops through ``exactness_check``, with a good and a bad draft, and a broken rule that the
+check must catch."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import eval.chain
+import eval.tree
+from eval.drafters import RandomDrafter
+from eval.exactness import chi2_critical, chi_square, exactness_check, tiny_verifier
+from eval.proposals import TreeShape, grow_tree, propose_chain_with
+from eval.sampling import SamplingParams, leviathan_accept, multi_candidate_accept, sample, target_probs
+
+VOCAB = 16
+PROMPT = torch.tensor([1, 5, 7, 2])
+RUNS = 300
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# --- the chi-square machinery -------------------------------------------------------------------------------
+
+
+def test_wilson_hilferty_critical_values():
+    # Table values: chi2_{0.95}(10) = 18.307, chi2_{0.999}(15) = 37.697, chi2_{0.99}(100) = 135.807.
+    assert chi2_critical(10, 0.05) == pytest.approx(18.307, rel=2e-3)
+    assert chi2_critical(15, 0.001) == pytest.approx(37.697, rel=1e-2)
+    assert chi2_critical(100, 0.01) == pytest.approx(135.807, rel=2e-3)
+
+
+def test_chi_square_flags_impossible_tokens_and_bias():
+    probs = torch.tensor([0.5, 0.5, 0.0])
+    assert chi_square("fair", torch.tensor([510, 490, 0]), probs, 1e-3).passed
+    assert not chi_square("biased", torch.tensor([600, 400, 0]), probs, 1e-3).passed
+    assert math.isinf(chi_square("impossible", torch.tensor([500, 499, 1]), probs, 1e-3).statistic)
+
+
+# --- the rules alone ----------------------------------------------------------------------------------------
+
+
+def random_distribution(generator: torch.Generator, sharpness: float = 2.0) -> torch.Tensor:
+    return torch.softmax(torch.randn(VOCAB, generator=generator) * sharpness, dim=-1)
+
+
+def broken_leviathan(p, draft_tokens, q, generator):
+    """The classic bug: after a rejection, sample from p instead of the residual max(0, p - q)."""
+    k, _ = leviathan_accept(p, draft_tokens, q, generator)
+    return k, int(sample(p[k], generator))
+
+
+def broken_multi_candidate(p, candidates, q, generator):
+    """Forgets the residual: after rejecting every candidate it samples the verifier's untouched p."""
+    chosen, token = multi_candidate_accept(p, candidates, q, generator)
+    return (chosen, token) if chosen >= 0 else (-1, int(sample(p, generator)))
+
+
+def first_tokens_of_leviathan(rule, draws: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    p = torch.stack([random_distribution(g) for _ in range(3)])
+    q = torch.stack([random_distribution(g) for _ in range(2)])
+    counts = torch.zeros(VOCAB)
+    for _ in range(draws):
+        drafts = torch.cat([sample(q[0], g), sample(q[1], g)])
+        k, token = rule(p, drafts, q, g)
+        counts[drafts[0] if k >= 1 else token] += 1
+    return counts, p[0]
+
+
+def test_leviathan_rule_is_exact_and_the_check_catches_a_broken_one():
+    counts, p = first_tokens_of_leviathan(leviathan_accept, 3000)
+    assert chi_square("leviathan", counts, p, 1e-3).passed
+    counts, p = first_tokens_of_leviathan(broken_leviathan, 3000)
+    assert not chi_square("broken leviathan", counts, p, 1e-3).passed
+
+
+@pytest.mark.parametrize("sampled", [True, False], ids=["without-replacement", "deterministic"])
+def test_multi_candidate_rule_is_exact(sampled):
+    g = torch.Generator().manual_seed(1)
+    p, q = random_distribution(g), random_distribution(g)
+    counts = torch.zeros(VOCAB)
+    broken_counts = torch.zeros(VOCAB)
+    for _ in range(3000):
+        if sampled:
+            gumbel = -torch.log(-torch.log(torch.rand(VOCAB, generator=g).clamp_min(1e-20)))
+            candidates = torch.topk(q.log() + gumbel, 3).indices
+        else:
+            candidates = torch.topk(q, 3).indices
+        proposal = q if sampled else None
+        counts[multi_candidate_accept(p, candidates, proposal, g)[1]] += 1
+        broken_counts[broken_multi_candidate(p, candidates, proposal, g)[1]] += 1
+    assert chi_square("multi-candidate", counts, p, 1e-3).passed
+    assert not chi_square("broken multi-candidate", broken_counts, p, 1e-3).passed
+
+
+# --- the real loops -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def verifier():
+    return tiny_verifier("llama", vocab_size=VOCAB, hidden_size=32, num_layers=1, peak=12.0, seed=0)
+
+
+class OracleDrafter:
+    """A draft built from the verifier's own distribution p (memoised per prefix): q = mix * p^power (renormalised)
+    + (1 - mix) * uniform. power 1 is a good draft; power 3 is a sharpened, overconfident one, close to what a
+    trained draft looks like at low temperature, and it makes a wrong residual very visible."""
+
+    needs_aux = False
+    supports_tree = True
+    draft_to_target = None
+    target_vocab_size = VOCAB
+
+    def __init__(self, verifier, memo: dict, mix: float = 0.8, power: float = 1.0):
+        self.verifier, self.memo, self.mix, self.power = verifier, memo, mix, power
+
+    def start(self, context, aux):
+        self.context = context.tolist()
+        self.paths: list[list[int]] = []
+
+    def advance(self, new_tokens, aux):
+        self.context += new_tokens.tolist()
+        self.paths = []
+
+    def _logits(self, path):
+        key = tuple(self.context + path)
+        if key not in self.memo:
+            self.memo[key] = torch.log_softmax(self.verifier(input_ids=torch.tensor([key])).logits[0, -1], -1)
+        sharpened = torch.softmax(self.memo[key] * self.power, -1)
+        return torch.log(self.mix * sharpened + (1 - self.mix) / VOCAB)
+
+    def root_logits(self):
+        return self._logits([])
+
+    def expand(self, parent_slots, tokens):
+        rows, slots = [], []
+        for parent, token in zip(parent_slots, tokens.tolist()):
+            slots.append(len(self.paths))
+            self.paths.append((self.paths[parent] if parent >= 0 else []) + [token])
+            rows.append(self._logits(self.paths[-1]))
+        return torch.stack(rows), slots
+
+    def propose_chain(self, n, sampling, generator):
+        return propose_chain_with(self, n, sampling, generator)
+
+    def propose_tree(self, shape, sampling, generator):
+        return grow_tree(self, shape, sampling, generator)
+
+
+def good_draft(verifier):
+    memo: dict = {}
+    return lambda: OracleDrafter(verifier, memo)
+
+
+def sharp_draft(verifier):
+    memo: dict = {}
+    return lambda: OracleDrafter(verifier, memo, mix=1.0, power=3.0)
+
+
+def bad_draft():
+    seeds = iter(range(10**6))
+    return lambda: RandomDrafter(VOCAB, seed=next(seeds), sharpness=3.0)
+
+
+SAMPLING = SamplingParams(temperature=1.0)
+NUCLEUS = SamplingParams(temperature=0.9, top_p=0.9, top_k=12)
+
+
+@pytest.mark.parametrize(
+    "draft, sampling",
+    [("good", SAMPLING), ("bad", NUCLEUS)],
+)
+def test_chain_loop_is_exact(verifier, draft, sampling):
+    factory = good_draft(verifier) if draft == "good" else bad_draft()
+    report = exactness_check(verifier, factory, "chain", RUNS, prompt_ids=PROMPT, sampling=sampling,
+                             num_draft_tokens=3)
+    print(report.describe())
+    assert report.passed, report.describe()
+    # Rounds offer 3 drafts; the oracle gets most of them accepted, the random draft hardly any.
+    assert (report.mean_accepted > 1.5) if draft == "good" else (report.mean_accepted < 0.5)
+
+
+@pytest.mark.parametrize(
+    "draft, sampled_children, sampling",
+    [("good", False, SAMPLING), ("bad", True, NUCLEUS)],
+)
+def test_tree_loop_is_exact(verifier, draft, sampled_children, sampling):
+    factory = good_draft(verifier) if draft == "good" else bad_draft()
+    shape = TreeShape(depth=3, top_k=3, total_tokens=8, sampled_children=sampled_children)
+    report = exactness_check(verifier, factory, "tree", RUNS, prompt_ids=PROMPT, sampling=sampling, tree_shape=shape)
+    print(report.describe())
+    assert report.passed, report.describe()
+
+
+def test_check_fails_a_broken_chain_rule(verifier, monkeypatch):
+    monkeypatch.setattr(eval.chain, "leviathan_accept", broken_leviathan)
+    report = exactness_check(verifier, sharp_draft(verifier), "chain", RUNS, prompt_ids=PROMPT, sampling=SAMPLING)
+    print(report.describe())
+    assert not report.passed
+
+
+def test_check_fails_a_broken_tree_rule(verifier, monkeypatch):
+    monkeypatch.setattr(eval.tree, "multi_candidate_accept", broken_multi_candidate)
+    shape = TreeShape(depth=3, top_k=3, total_tokens=8, sampled_children=False)
+    report = exactness_check(verifier, sharp_draft(verifier), "tree", RUNS, prompt_ids=PROMPT, sampling=SAMPLING,
+                             tree_shape=shape)
+    print(report.describe())
+    assert not report.passed
+
+
+def test_target_probs_processing():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    assert target_probs(logits, SamplingParams(temperature=1.0)).tolist() == pytest.approx([0.5, 0.3, 0.15, 0.05])
+    # top-p 0.8: 0.5 + 0.3 reaches it, the rest goes.
+    assert target_probs(logits, SamplingParams(temperature=1.0, top_p=0.8)).tolist() == pytest.approx(
+        [0.5 / 0.8, 0.3 / 0.8, 0, 0]
+    )
+    assert target_probs(logits, SamplingParams(temperature=1.0, top_k=3)).tolist() == pytest.approx(
+        [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0]
+    )
+    with pytest.raises(ValueError):
+        SamplingParams(temperature=-1.0)

@@ -1,0 +1,73 @@
+"""Acceptance metrics against a hand-made trace whose answers were worked out by hand."""
+
+import math
+
+import pytest
+
+from eval.metrics import (
+    AcceptanceTrace,
+    acceptance_histogram,
+    acceptance_rate,
+    cumulative_acceptance,
+    expected_tokens_per_call,
+    n_alpha,
+    predicted_speedup,
+    summarize,
+    tau,
+    tau_by_length,
+)
+
+# N = 3; six verifier calls accepting 0, 1, 3, 2, 3, 0 drafts.
+TRACE = AcceptanceTrace(accepted=[0, 1, 3, 2, 3, 0], num_draft=3)
+
+
+def test_tau_is_mean_accepted_plus_one():
+    # (1 + 2 + 4 + 3 + 4 + 1) / 6
+    assert tau(TRACE) == pytest.approx(15 / 6)
+
+
+def test_n_alpha_is_conditional_acceptance_per_depth():
+    # depth 1: 4 of 6 calls accepted it; depth 2: 3 of the 4 that got there; depth 3: 2 of the 3.
+    assert n_alpha(TRACE) == pytest.approx([4 / 6, 3 / 4, 2 / 3])
+
+
+def test_histogram_and_cumulative():
+    assert acceptance_histogram(TRACE) == [2, 1, 1, 2]
+    assert cumulative_acceptance(TRACE) == pytest.approx([4 / 6, 3 / 6, 2 / 6])
+
+
+def test_tau_by_length_cuts_the_trace():
+    # n=0: every call yields 1; n=1: min(a,1)+1 = 1,2,2,2,2,1; n=2: 1,2,3,3,3,1; n=3: tau.
+    assert tau_by_length(TRACE) == pytest.approx([1.0, 10 / 6, 13 / 6, 15 / 6])
+
+
+def test_pooled_alpha_counts_decided_drafts():
+    # 9 accepted drafts; 4 calls rejected one (those with a < 3): 9 / 13.
+    assert acceptance_rate(TRACE) == pytest.approx(9 / 13)
+
+
+def test_variable_proposal_lengths():
+    # Prompt lookup: the second call offered only 1 draft and accepted it; it is no trial at depth 2.
+    trace = AcceptanceTrace(accepted=[2, 1, 0], num_draft=3, proposed=[3, 1, 3])
+    assert n_alpha(trace) == pytest.approx([2 / 3, 1 / 1, 0 / 1])
+    # 3 accepted; rejections in calls 1 (2<3) and 3 (0<3); call 2 accepted all it was offered.
+    assert acceptance_rate(trace) == pytest.approx(3 / 5)
+
+
+def test_expected_tokens_and_predicted_speedup():
+    # alpha 0.5, N 3: (1 - 0.5^4) / 0.5 = 1.875; with c = 0.1: 1.875 / 1.3.
+    assert expected_tokens_per_call(0.5, 3) == pytest.approx(1.875)
+    assert predicted_speedup(0.5, 3, 0.1) == pytest.approx(1.875 / 1.3)
+    assert expected_tokens_per_call(1.0, 4) == 5.0
+    assert expected_tokens_per_call(0.0, 4) == 1.0
+
+
+def test_summary_and_validation():
+    summary = summarize(TRACE)
+    assert summary["tau"] == pytest.approx(2.5)
+    assert summary["expected_tokens_per_call"] == pytest.approx(expected_tokens_per_call(9 / 13, 3))
+    assert not math.isnan(summary["alpha"])
+    with pytest.raises(ValueError):
+        AcceptanceTrace(accepted=[4], num_draft=3)
+    with pytest.raises(ValueError):
+        AcceptanceTrace(accepted=[1, 1], num_draft=3, proposed=[1])

@@ -1,0 +1,223 @@
+"""The speculative loops on tiny random verifiers: greedy output equals plain greedy decoding token for token (even
+with a draft that is almost never right), the verifier cache after rollback equals a fresh prefill, and one tree
+forward with the 4D mask equals running every root-to-node path on its own."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from eval.chain import generate_chain
+from eval.drafters import PromptLookupDrafter, RandomDrafter
+from eval.exactness import tiny_verifier
+from eval.proposals import TreeShape
+from eval.sampling import SamplingParams
+from eval.tree import generate_tree, tree_attention_mask
+from eval.verifier_state import VerifierState, generate_plain
+
+VOCAB = 256
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Tiny matrices: a second thread only adds contention on a shared 2-core machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def verifier(request):
+    return tiny_verifier(request.param, vocab_size=VOCAB, hidden_size=64, num_layers=4, peak=4.0, seed=1)
+
+
+class ReferenceDrafter:
+    """A draft that knows the verifier's greedy continuation and usually ranks the right token 1st, 2nd or 3rd
+    (random logits otherwise), so that accepted tree paths run through any sibling, not just the first."""
+
+    needs_aux = False
+    supports_tree = True
+    draft_to_target = None
+
+    def __init__(self, prompt_length: int, reference: list[int], seed: int = 0, hit_rate: float = 0.8):
+        self.target_vocab_size = VOCAB
+        self.prompt_length = prompt_length
+        self.reference = reference
+        self.hit_rate = hit_rate
+        self.rng = random.Random(seed)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def start(self, context, aux):
+        self.context = context.tolist()
+        self.slot_paths: list[list[int]] = []
+
+    def advance(self, new_tokens, aux):
+        self.context += new_tokens.tolist()
+        self.slot_paths = []
+
+    def _logits(self, path: list[int]) -> torch.Tensor:
+        logits = torch.randn(VOCAB, generator=self.generator)
+        generated = self.context[self.prompt_length :] + path
+        at = len(generated)
+        if at < len(self.reference) and generated == self.reference[:at] and self.rng.random() < self.hit_rate:
+            rank = self.rng.randrange(3)
+            logits[self.reference[at]] = torch.sort(logits, descending=True).values[rank] + 1e-3
+        return logits
+
+    def root_logits(self):
+        return self._logits([])
+
+    def expand(self, parent_slots, tokens):
+        rows, slots = [], []
+        for parent, token in zip(parent_slots, tokens.tolist()):
+            path = (self.slot_paths[parent] if parent >= 0 else []) + [token]
+            slots.append(len(self.slot_paths))
+            self.slot_paths.append(path)
+            rows.append(self._logits(path))
+        return torch.stack(rows), slots
+
+    def propose_chain(self, n, sampling, generator):
+        from eval.proposals import propose_chain_with
+
+        return propose_chain_with(self, n, sampling, generator)
+
+    def propose_tree(self, shape, sampling, generator):
+        from eval.proposals import grow_tree
+
+        return grow_tree(self, shape, sampling, generator)
+
+
+PROMPT = torch.tensor([3, 17, 42, 99, 5, 250, 8, 64, 31, 7])
+MAX_NEW = 28
+SHAPE = TreeShape(depth=4, top_k=3, total_tokens=10)
+
+
+@pytest.fixture(scope="module")
+def reference(verifier):
+    return generate_plain(verifier, PROMPT, max_new_tokens=MAX_NEW).tokens
+
+
+def test_chain_greedy_equals_plain_greedy(verifier, reference):
+    random_draft = generate_chain(verifier, PROMPT, RandomDrafter(VOCAB, seed=3), num_draft_tokens=4,
+                                  max_new_tokens=MAX_NEW)
+    assert random_draft.tokens == reference
+    good_draft = generate_chain(verifier, PROMPT, ReferenceDrafter(len(PROMPT), reference, seed=4),
+                                num_draft_tokens=4, max_new_tokens=MAX_NEW)
+    assert good_draft.tokens == reference
+    assert sum(good_draft.accepted) > 0, "the reference draft should get drafts accepted"
+    assert good_draft.verifier_calls < random_draft.verifier_calls
+
+
+def test_tree_greedy_equals_plain_greedy(verifier, reference):
+    random_draft = generate_tree(verifier, PROMPT, RandomDrafter(VOCAB, seed=3), shape=SHAPE, max_new_tokens=MAX_NEW)
+    assert random_draft.tokens == reference
+    good_draft = generate_tree(verifier, PROMPT, ReferenceDrafter(len(PROMPT), reference, seed=5), shape=SHAPE,
+                               max_new_tokens=MAX_NEW)
+    assert good_draft.tokens == reference
+    assert max(good_draft.accepted) >= 2
+    assert all(n <= SHAPE.total_tokens for n in good_draft.tree_nodes)
+
+
+def test_prompt_lookup_greedy_equals_plain_greedy(verifier, reference):
+    result = generate_chain(verifier, PROMPT, PromptLookupDrafter(), num_draft_tokens=5, max_new_tokens=MAX_NEW)
+    assert result.tokens == reference
+
+
+def test_stop_token_cuts_output(verifier, reference):
+    stop = reference[len(reference) // 2]
+    expected = reference[: reference.index(stop) + 1]
+    assert generate_plain(verifier, PROMPT, max_new_tokens=MAX_NEW, stop_ids=frozenset({stop})).tokens == expected
+    chain = generate_chain(verifier, PROMPT, ReferenceDrafter(len(PROMPT), reference), num_draft_tokens=4,
+                           max_new_tokens=MAX_NEW, stop_ids=frozenset({stop}))
+    tree = generate_tree(verifier, PROMPT, ReferenceDrafter(len(PROMPT), reference), shape=SHAPE,
+                         max_new_tokens=MAX_NEW, stop_ids=frozenset({stop}))
+    assert chain.tokens == expected and tree.tokens == expected
+
+
+def test_sampling_loops_run_to_length(verifier):
+    sampling = SamplingParams(temperature=0.8, top_p=0.9, top_k=50)
+    generator = torch.Generator().manual_seed(0)
+    chain = generate_chain(verifier, PROMPT, RandomDrafter(VOCAB), num_draft_tokens=3, max_new_tokens=12,
+                           sampling=sampling, generator=generator)
+    tree = generate_tree(verifier, PROMPT, RandomDrafter(VOCAB), shape=TreeShape(3, 3, 9, sampled_children=True),
+                         max_new_tokens=12, sampling=sampling, generator=generator)
+    assert len(chain.tokens) == 12 and len(tree.tokens) == 12
+
+
+def fresh_last_logits(model, tokens: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([tokens])).logits[0, -1]
+
+
+def test_chain_rollback_equals_fresh_prefill(verifier):
+    """Verify 5 drafts, accept 2, then decode on: the cache must hold exactly prompt + root + 2 drafts."""
+    prefix = PROMPT.tolist()
+    drafts = [11, 12, 13, 14, 15]
+    with torch.inference_mode(), VerifierState(verifier) as state:
+        state.forward(torch.tensor(prefix))
+        state.forward(torch.tensor([77] + drafts))
+        state.crop(len(prefix) + 1 + 2)
+        logits, _ = state.forward(torch.tensor([99]))
+    torch.testing.assert_close(logits[-1], fresh_last_logits(verifier, prefix + [77, 11, 12, 99]), atol=1e-4, rtol=1e-4)
+
+
+def test_tree_compaction_equals_fresh_prefill(verifier):
+    """Keep a root-to-leaf path scattered through the tree block; the cache must equal a fresh prefill."""
+    prefix = PROMPT.tolist()
+    tokens = torch.tensor([20, 21, 22, 23, 24, 25, 26])
+    parents = torch.tensor([-1, -1, 0, 1, 1, 3, 4])
+    depths = torch.tensor([1, 1, 2, 2, 2, 3, 3])
+    path = [1, 4, 6]  # 21 -> 24 -> 26
+    with torch.inference_mode(), VerifierState(verifier) as state:
+        state.forward(torch.tensor(prefix))
+        length = state.length
+        positions = length + torch.cat([torch.zeros(1, dtype=torch.long), depths])
+        mask = tree_attention_mask(parents, depths, length, torch.float32)
+        state.forward(torch.cat([torch.tensor([77]), tokens]), positions, mask)
+        state.keep(length + 1, path)
+        assert state.length == length + 1 + len(path)
+        logits, _ = state.forward(torch.tensor([99]))
+    expected = fresh_last_logits(verifier, prefix + [77, 21, 24, 26, 99])
+    torch.testing.assert_close(logits[-1], expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])
+def test_tree_mask_forward_equals_per_path_forwards(kind):
+    # Mistral with a window shorter than prefix + tree, so that the mask's sliding-window rule is exercised.
+    model = tiny_verifier(kind, vocab_size=VOCAB, hidden_size=64, num_layers=3, seed=2,
+                          sliding_window=8 if kind == "mistral" else None)
+    prefix = PROMPT.tolist()
+    tokens = [30, 31, 32, 33, 34, 35, 36, 37]
+    parents = [-1, -1, -1, 0, 0, 2, 3, 3]
+    depths = [1, 1, 1, 2, 2, 2, 3, 3]
+    with torch.inference_mode(), VerifierState(model) as state:
+        state.forward(torch.tensor(prefix))
+        length = state.length
+        positions = length + torch.tensor([0] + depths)
+        mask = tree_attention_mask(torch.tensor(parents), torch.tensor(depths), length, torch.float32,
+                                   sliding_window=8 if kind == "mistral" else None)
+        logits, _ = state.forward(torch.tensor([77] + tokens), positions, mask)
+    for node in range(-1, len(tokens)):
+        path = []
+        walker = node
+        while walker >= 0:
+            path.insert(0, tokens[walker])
+            walker = parents[walker]
+        expected = fresh_last_logits(model, prefix + [77] + path)
+        torch.testing.assert_close(logits[node + 1], expected, atol=1e-4, rtol=1e-4, msg=f"{kind} node {node}")
+
+
+def test_prompt_lookup_proposals():
+    drafter = PromptLookupDrafter(max_ngram=3, min_ngram=1)
+    drafter.start(torch.tensor([1, 2, 3, 4, 5, 9, 1, 2, 3]), None)
+    # "1 2 3" occurred before, followed by 4 5 9.
+    assert drafter.propose_chain(2, SamplingParams(), None).tokens.tolist() == [4, 5]
+    drafter.advance(torch.tensor([8]), None)
+    # "8" never occurred before: nothing to propose.
+    assert drafter.propose_chain(3, SamplingParams(), None).tokens.numel() == 0
+    drafter.advance(torch.tensor([2]), None)
+    # Longest n-gram first: "8 2" and "3 8 2" are new, "2" last occurred before 3 (position 7).
+    assert drafter.propose_chain(3, SamplingParams(), None).tokens.tolist() == [3, 8, 2]
