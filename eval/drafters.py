@@ -7,6 +7,7 @@ import torch
 
 from eval.proposals import ChainDraft, DraftTree, TreeShape, grow_tree, propose_chain_with
 from eval.sampling import SamplingParams
+from models.draft import DraftKVCache, Eagle3Draft
 
 
 class PromptLookupDrafter:
@@ -94,3 +95,106 @@ class RandomDrafter:
 
     def propose_tree(self, shape: TreeShape, sampling: SamplingParams, generator: torch.Generator | None) -> DraftTree:
         return grow_tree(self, shape, sampling, generator)
+
+
+class EagleDrafter:
+    """The EAGLE-3 draft head as a drafter.
+
+    Position t of the draft reads fc(aux_t) (the verifier's features at t) with the token x_{t+1} and predicts
+    x_{t+2}. The draft's KV cache holds one entry per position whose verifier features are known (``committed``);
+    each round extends it with the features of the tokens the verifier just accepted, after dropping the
+    speculative entries of the last proposal. Deeper draft steps feed back the draft's own hidden output: a node at
+    depth d sits at position committed - 1 + d and attends to the committed entries and its own ancestors.
+    """
+
+    needs_aux = True
+    supports_tree = True
+
+    def __init__(self, draft: Eagle3Draft):
+        self.draft = draft.eval()
+        weight = draft.fc.weight
+        self.device = weight.device
+        self.target_vocab_size = int(draft.config.vocab_size)
+        draft_vocab = int(draft.config.draft_vocab_size)
+        identity = draft_vocab == self.target_vocab_size and not bool(draft.d2t.any())
+        self.draft_to_target: torch.Tensor | None = (
+            None if identity else torch.arange(draft_vocab, device=self.device) + draft.d2t.to(self.device)
+        )
+        self.cache = DraftKVCache()
+        self.committed = 0
+        self.last_hidden: torch.Tensor | None = None
+        self._reset_slots()
+
+    def _reset_slots(self) -> None:
+        self.slot_hidden: list[torch.Tensor] = []
+        self.slot_depth: list[int] = []
+        self.slot_entries: list[list[int]] = []  # cache indices of the slot's ancestors and itself
+
+    @torch.inference_mode()
+    def start(self, context: torch.Tensor, aux: torch.Tensor | None) -> None:
+        self.cache = DraftKVCache()
+        self.committed = 0
+        self.last_hidden = None
+        self._reset_slots()
+        if aux is not None and aux.shape[0]:
+            self._extend(context[1:].to(self.device), aux)
+
+    @torch.inference_mode()
+    def advance(self, new_tokens: torch.Tensor, aux: torch.Tensor | None) -> None:
+        if aux is None:
+            raise ValueError("EagleDrafter needs the verifier's aux states of the committed tokens")
+        self._extend(new_tokens.to(self.device), aux)
+
+    def _extend(self, tokens: torch.Tensor, aux: torch.Tensor) -> None:
+        """Cache positions committed..committed+n-1: features aux[i] with the token after them, tokens[i]."""
+        self.cache.crop(self.committed)
+        n = tokens.numel()
+        positions = torch.arange(self.committed, self.committed + n, device=self.device).view(1, n)
+        fused = self.draft.fuse(aux.to(self.device).unsqueeze(0))
+        hidden = self.draft(fused, tokens.view(1, n), positions, kv_cache=self.cache)
+        self.committed += n
+        self.last_hidden = hidden[0, -1]
+        self._reset_slots()
+
+    @torch.inference_mode()
+    def root_logits(self) -> torch.Tensor:
+        if self.last_hidden is None:
+            # A one-token prompt: no verifier features yet, so no opinion; the loop stays lossless regardless.
+            return torch.zeros(self.draft.config.draft_vocab_size, device=self.device)
+        return self.draft.logits(self.last_hidden.view(1, 1, -1))[0, 0].float()
+
+    @torch.inference_mode()
+    def expand(self, parent_slots: list[int], tokens: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        if self.last_hidden is None:
+            zeros = torch.zeros(len(parent_slots), self.draft.config.draft_vocab_size, device=self.device)
+            return zeros, [-1] * len(parent_slots)
+        k = len(parent_slots)
+        base = len(self.cache)
+        hidden = torch.stack([self.last_hidden if s < 0 else self.slot_hidden[s] for s in parent_slots]).unsqueeze(0)
+        depths = [1 if s < 0 else self.slot_depth[s] + 1 for s in parent_slots]
+        ancestors = [[] if s < 0 else self.slot_entries[s] for s in parent_slots]
+        positions = (self.committed - 1 + torch.tensor(depths, device=self.device)).view(1, k)
+        mask = None
+        if not (k == 1 and ancestors[0] == list(range(self.committed, base))):
+            # Several nodes, or a node whose cached ancestors are not all speculative entries: a tree mask.
+            mask = torch.zeros(k, base + k, dtype=torch.bool, device=self.device)
+            mask[:, : self.committed] = True
+            for row, entries in enumerate(ancestors):
+                mask[row, entries + [base + row]] = True
+            mask = mask.view(1, 1, k, base + k)
+        out = self.draft(hidden, tokens.to(self.device).view(1, k), positions, kv_cache=self.cache, attn_mask=mask)
+        logits = self.draft.logits(out)[0].float()
+        slots = list(range(len(self.slot_hidden), len(self.slot_hidden) + k))
+        for row in range(k):
+            self.slot_hidden.append(out[0, row])
+            self.slot_depth.append(depths[row])
+            self.slot_entries.append(ancestors[row] + [base + row])
+        return logits, slots
+
+    def propose_chain(self, n: int, sampling: SamplingParams, generator: torch.Generator | None) -> ChainDraft:
+        with torch.inference_mode():
+            return propose_chain_with(self, n, sampling, generator)
+
+    def propose_tree(self, shape: TreeShape, sampling: SamplingParams, generator: torch.Generator | None) -> DraftTree:
+        with torch.inference_mode():
+            return grow_tree(self, shape, sampling, generator)

@@ -137,10 +137,9 @@ def exactness_check(
     generator = torch.Generator(device=next(verifier.parameters()).device).manual_seed(seed)
     if method not in ("chain", "tree"):
         raise ValueError(f"method must be chain or tree, got {method!r}")
-    # The loops trim drafts to the token budget; a budget of (longest draft + 1) lets the first round verify a
-    # full-length chain or tree, so that the checked positions come from full rounds.
-    longest = num_draft_tokens if method == "chain" else tree_shape.depth
-    max_new_tokens = max(positions, longest + 1)
+    # Generation stops at the checked positions: the loops then trim the first round to positions - 1 drafts (a
+    # round yields one more token than it drafts), which keeps a run at a few verifier calls.
+    max_new_tokens = positions
     counts = torch.zeros([vocab] * positions, dtype=torch.long)
     accepted = calls = 0
     for _ in range(n_runs):
@@ -155,7 +154,7 @@ def exactness_check(
                 verifier, prompt_ids, drafter, shape=tree_shape, max_new_tokens=max_new_tokens,
                 sampling=sampling, aux_layer_ids=aux_layer_ids, generator=generator,
             )
-        counts[tuple(result.tokens[:positions])] += 1
+        counts[tuple(result.tokens)] += 1
         accepted += sum(result.accepted)
         calls += result.verifier_calls
 

@@ -186,8 +186,8 @@ def test_chain_loop_is_exact(verifier, draft, sampling):
                              num_draft_tokens=3)
     print(report.describe())
     assert report.passed, report.describe()
-    # Rounds offer 3 drafts; the oracle gets most of them accepted, the random draft hardly any.
-    assert (report.mean_accepted > 1.5) if draft == "good" else (report.mean_accepted < 0.5)
+    # The first round offers 2 drafts; the oracle gets most of them accepted, the random draft hardly any.
+    assert (report.mean_accepted > 1.0) if draft == "good" else (report.mean_accepted < 0.5)
 
 
 @pytest.mark.parametrize(
@@ -212,7 +212,7 @@ def test_check_fails_a_broken_chain_rule(verifier, monkeypatch):
 def test_check_fails_a_broken_tree_rule(verifier, monkeypatch):
     monkeypatch.setattr(eval.tree, "multi_candidate_accept", broken_multi_candidate)
     shape = TreeShape(depth=3, top_k=3, total_tokens=8, sampled_children=False)
-    report = exactness_check(verifier, sharp_draft(verifier), "tree", RUNS, prompt_ids=PROMPT, sampling=SAMPLING,
+    report = exactness_check(verifier, sharp_draft(verifier), "tree", 200, prompt_ids=PROMPT, sampling=SAMPLING,
                              tree_shape=shape)
     print(report.describe())
     assert not report.passed
@@ -230,3 +230,29 @@ def test_target_probs_processing():
     )
     with pytest.raises(ValueError):
         SamplingParams(temperature=-1.0)
+
+
+def random_eagle_factory(verifier):
+    """EagleDrafter over a random-init draft whose vocabulary is half the verifier's (ids mapped through d2t)."""
+    from eval.drafters import EagleDrafter
+    from models.draft import Eagle3Config, Eagle3Draft
+
+    config = Eagle3Config.from_verifier(verifier.config, draft_vocab_size=VOCAB // 2, aux_layer_ids=[0, 1, 1])
+    draft = Eagle3Draft(config, seed=0)
+    draft.load_verifier_embedding(verifier.get_input_embeddings().weight.detach())
+    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d[1::2] = True
+    draft.set_draft_vocab(torch.arange(1, VOCAB, 2) - torch.arange(VOCAB // 2), t2d)
+    with torch.no_grad():
+        draft.lm_head.weight.mul_(50.0)
+    return lambda: EagleDrafter(draft)
+
+
+@pytest.mark.parametrize("method", ["chain", "tree"])
+def test_eagle_drafter_is_exact(verifier, method):
+    shape = TreeShape(depth=3, top_k=3, total_tokens=8, sampled_children=True)
+    report = exactness_check(verifier, random_eagle_factory(verifier), method, 200, prompt_ids=PROMPT,
+                             sampling=SAMPLING, tree_shape=shape, aux_layer_ids=[0, 1, 1])
+    print(report.describe())
+    assert report.passed, report.describe()
+    assert report.mean_accepted > 0

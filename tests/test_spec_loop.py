@@ -221,3 +221,117 @@ def test_prompt_lookup_proposals():
     drafter.advance(torch.tensor([2]), None)
     # Longest n-gram first: "8 2" and "3 8 2" are new, "2" last occurred before 3 (position 7).
     assert drafter.propose_chain(3, SamplingParams(), None).tokens.tolist() == [3, 8, 2]
+
+
+# --- the EAGLE-3 drafter ------------------------------------------------------------------------------------
+
+from eval.drafters import EagleDrafter  # noqa: E402
+from eval.proposals import grow_tree  # noqa: E402
+from models.capture import capture_hidden  # noqa: E402
+from models.draft import Eagle3Config, Eagle3Draft  # noqa: E402
+
+AUX_IDS = [1, 2, 3]
+
+
+def random_eagle(verifier, draft_vocab_size: int = 96, seed: int = 0) -> Eagle3Draft:
+    """A random-init draft with a real (non-identity) draft vocabulary: every other verifier id from 10 on."""
+    config = Eagle3Config.from_verifier(verifier.config, draft_vocab_size=draft_vocab_size, aux_layer_ids=AUX_IDS)
+    draft = Eagle3Draft(config, seed=seed)
+    draft.load_verifier_embedding(verifier.get_input_embeddings().weight.detach())
+    target_ids = torch.arange(10, 10 + 2 * draft_vocab_size, 2)
+    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d[target_ids] = True
+    draft.set_draft_vocab(target_ids - torch.arange(draft_vocab_size), t2d)
+    with torch.no_grad():
+        draft.lm_head.weight.mul_(20.0)  # peaked draft distributions, so top-k choices are not ties
+    return draft.eval()
+
+
+def verifier_aux(verifier, tokens: list[int]) -> torch.Tensor:
+    """[T, 3H] aux states of a full forward over ``tokens``."""
+    with torch.inference_mode(), capture_hidden(verifier, AUX_IDS, final=False) as captured:
+        verifier(input_ids=torch.tensor([tokens]))
+        return torch.cat([a[0] for a in captured.aux], dim=-1)
+
+
+def test_eagle_greedy_equals_plain_greedy(verifier, reference):
+    chain = generate_chain(verifier, PROMPT, EagleDrafter(random_eagle(verifier)), num_draft_tokens=4,
+                           max_new_tokens=MAX_NEW, aux_layer_ids=AUX_IDS)
+    tree = generate_tree(verifier, PROMPT, EagleDrafter(random_eagle(verifier)), shape=SHAPE, max_new_tokens=MAX_NEW,
+                         aux_layer_ids=AUX_IDS)
+    assert chain.tokens == reference and tree.tokens == reference
+    with pytest.raises(ValueError, match="aux"):
+        generate_chain(verifier, PROMPT, EagleDrafter(random_eagle(verifier)), num_draft_tokens=4, max_new_tokens=4)
+
+
+def test_eagle_rollback_equals_fresh_start(verifier, reference):
+    """After proposing a tree (speculative cache entries) and advancing, the draft predicts as if started afresh."""
+    full = PROMPT.tolist() + reference[:6]
+    aux = verifier_aux(verifier, full)
+    rolled = EagleDrafter(random_eagle(verifier))
+    rolled.start(PROMPT, aux[: len(PROMPT) - 1])
+    grow_tree(rolled, SHAPE, SamplingParams(), None)
+    rolled.advance(torch.tensor(reference[:6]), aux[len(PROMPT) - 1 : len(full) - 1])
+    fresh = EagleDrafter(random_eagle(verifier))
+    fresh.start(torch.tensor(full), aux[: len(full) - 1])
+    torch.testing.assert_close(rolled.root_logits(), fresh.root_logits(), atol=1e-4, rtol=1e-4)
+    assert rolled.committed == fresh.committed == len(full) - 1
+
+
+def test_eagle_tree_expansion_equals_chain_along_each_path(verifier):
+    """One batched, tree-masked draft step per depth gives every node the logits of a plain chain down its path."""
+    aux = verifier_aux(verifier, PROMPT.tolist())
+    drafter = EagleDrafter(random_eagle(verifier))
+    drafter.start(PROMPT, aux[:-1])
+    slot_paths: list[list[int]] = []
+    slot_logits: list[torch.Tensor] = []
+    expand = drafter.expand
+
+    def recording_expand(parent_slots, tokens):
+        logits, slots = expand(parent_slots, tokens)
+        assert slots == list(range(len(slot_paths), len(slot_paths) + len(parent_slots)))
+        for parent, token, row in zip(parent_slots, tokens.tolist(), logits):
+            slot_paths.append((slot_paths[parent] if parent >= 0 else []) + [token])
+            slot_logits.append(row)
+        return logits, slots
+
+    drafter.expand = recording_expand
+    grow_tree(drafter, TreeShape(depth=4, top_k=3, total_tokens=12), SamplingParams(), None)
+    assert len(slot_paths) == 9 and max(len(p) for p in slot_paths) == 3  # 3 nodes expanded at depths 1..3
+    for path, tree_row in zip(slot_paths, slot_logits):
+        chain = EagleDrafter(random_eagle(verifier))
+        chain.start(PROMPT, aux[:-1])
+        parent = -1
+        for token in path:
+            logits, (parent,) = chain.expand([parent], torch.tensor([token]))
+        torch.testing.assert_close(tree_row, logits[0], atol=1e-4, rtol=1e-4)
+
+
+class SpyDrafter(ReferenceDrafter):
+    """Records the (token, verifier feature) pairs the loop hands a drafter that reads aux states."""
+
+    needs_aux = True
+
+    def start(self, context, aux):
+        super().start(context, aux)
+        self.pairs = list(zip(context[1:].tolist(), aux))
+
+    def advance(self, new_tokens, aux):
+        super().advance(new_tokens, aux)
+        assert aux.shape[0] == new_tokens.numel()
+        self.pairs += list(zip(new_tokens.tolist(), aux))
+
+
+@pytest.mark.parametrize("method", ["chain", "tree"])
+def test_loop_hands_drafter_the_features_of_the_right_positions(verifier, reference, method):
+    """Feature t must pair with token t+1, whichever tree path was accepted: compare with one full forward."""
+    spy = SpyDrafter(len(PROMPT), reference, seed=6)
+    if method == "chain":
+        generate_chain(verifier, PROMPT, spy, num_draft_tokens=4, max_new_tokens=MAX_NEW, aux_layer_ids=AUX_IDS)
+    else:
+        generate_tree(verifier, PROMPT, spy, shape=SHAPE, max_new_tokens=MAX_NEW, aux_layer_ids=AUX_IDS)
+    sequence = PROMPT.tolist() + reference
+    full_aux = verifier_aux(verifier, sequence)
+    assert [token for token, _ in spy.pairs] == sequence[1 : len(spy.pairs) + 1]
+    assert len(spy.pairs) >= len(PROMPT) + MAX_NEW // 2
+    torch.testing.assert_close(torch.stack([a for _, a in spy.pairs]), full_aux[: len(spy.pairs)], atol=1e-4, rtol=1e-4)
