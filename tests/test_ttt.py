@@ -1,0 +1,344 @@
+"""The training-time-test unroll: its attention against a dense reference, its alignment against inference,
+the teacher, the loss bookkeeping, and an overfit run on a tiny random verifier."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from models.capture import forward_hidden
+from models.draft import DraftKVCache, Eagle3Config, Eagle3Draft, ttt_attention
+from train.ttt import TTTConfig, shift_left, teacher_targets, ttt_forward, ttt_unroll
+
+# float64 everywhere below except the overfit run: equalities hold to rounding, so the tolerance is tight.
+TOL = dict(rtol=1e-9, atol=1e-10)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matrices gain nothing from threads, and on a shared CPU every OpenMP barrier can wait a scheduler tick."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def dense_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """Reference: ordinary attention over all steps' keys concatenated, with the full [T, (k+1)T] mask."""
+    t = q.shape[2]
+    blocks = [torch.ones(t, t, dtype=torch.bool).tril()] + [torch.eye(t, dtype=torch.bool)] * (len(keys) - 1)
+    mask = torch.cat(blocks, dim=1)
+    k, v = torch.cat(keys, dim=2), torch.cat(values, dim=2)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+class DenseTTTCache:
+    """Same interface as models.draft.TTTCache, attending through the dense reference."""
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def attend(self, q, k, v, attn_mask):
+        self.keys.append(k)
+        self.values.append(v)
+        return dense_ttt_attention(q, self.keys, self.values)
+
+
+def tiny_draft(seed: int = 0, **over) -> Eagle3Draft:
+    kw = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=40,
+        draft_vocab_size=20,
+        target_hidden_size=24,
+    )
+    kw.update(over)
+    draft = Eagle3Draft(Eagle3Config(**kw), seed=seed).to(torch.float64)
+    with torch.no_grad():
+        draft.embed_tokens.weight.normal_(0, 1.0, generator=torch.Generator().manual_seed(seed + 100))
+        # Larger weights than the 0.02 init, so that attention patterns and logits are far from uniform.
+        for p in draft.parameters():
+            if p.requires_grad and p.dim() == 2:
+                p.mul_(8.0)
+    # A draft vocabulary that is not a prefix, so that index mix-ups show.
+    cfg = draft.config
+    chosen = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(seed))[: cfg.draft_vocab_size]
+    chosen = chosen.sort().values
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    t2d[chosen] = True
+    draft.set_draft_vocab(chosen - torch.arange(cfg.draft_vocab_size), t2d)
+    return draft
+
+
+def random_batch(draft: Eagle3Draft, b: int, t: int, seed: int = 0, pad: list[int] | None = None) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    cfg = draft.config
+    attention_mask = torch.ones(b, t, dtype=torch.long)
+    for row, n in enumerate(pad or []):
+        if n:
+            attention_mask[row, -n:] = 0
+    loss_mask = (torch.rand(b, t, generator=g) < 0.7).long() * attention_mask
+    return {
+        "input_ids": torch.randint(0, cfg.vocab_size, (b, t), generator=g),
+        "loss_mask": loss_mask,
+        "attention_mask": attention_mask,
+        "aux": torch.randn(b, t, 3 * cfg.target_hidden_size, generator=g, dtype=torch.float64),
+        "final": torch.randn(b, t, cfg.target_hidden_size, generator=g, dtype=torch.float64),
+    }
+
+
+def random_head(draft: Eagle3Draft, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return 2.0 * torch.randn(draft.config.vocab_size, draft.config.target_hidden_size, generator=g, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("steps", [1, 2, 4])
+def test_ttt_attention_equals_dense_mask_forward_and_grads(steps: int) -> None:
+    g = torch.Generator().manual_seed(steps)
+    b, h, hkv, t, d = 2, 4, 2, 7, 8
+    q = torch.randn(b, h, t, d, generator=g, dtype=torch.float64, requires_grad=True)
+    keys = [torch.randn(b, hkv, t, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(steps)]
+    values = [torch.randn(b, hkv, t, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(steps)]
+    weights = torch.randn(b, h, t, d, generator=g, dtype=torch.float64)
+
+    out = ttt_attention(q, keys, values)
+    ref = dense_ttt_attention(q, keys, values)
+    torch.testing.assert_close(out, ref, **TOL)
+    grads = torch.autograd.grad((out * weights).sum(), [q, *keys, *values])
+    ref_grads = torch.autograd.grad((ref * weights).sum(), [q, *keys, *values])
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, **TOL)
+
+
+def test_unroll_through_the_model_equals_dense_reference() -> None:
+    """The whole unroll (RoPE, GQA, feedback of hidden states) with the efficient cache against the dense one."""
+    draft = tiny_draft()
+    batch = random_batch(draft, 2, 9)
+    steps = 4
+
+    def run(cache_cls) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        draft.zero_grad(set_to_none=True)
+        fused = draft.fuse(batch["aux"])
+        if cache_cls is None:
+            outs = list(ttt_unroll(draft, fused, batch["input_ids"], steps))
+        else:
+            cache, hidden, outs = cache_cls(), fused, []
+            for k in range(steps):
+                hidden = draft(hidden, shift_left(batch["input_ids"], k + 1), torch.arange(9) + k, kv_cache=cache)
+                outs.append(hidden)
+        loss = sum(draft.logits(o).logsumexp(-1).sum() * (k + 1) for k, o in enumerate(outs))
+        loss.backward()
+        return outs, [p.grad.clone() for p in draft.parameters() if p.requires_grad]
+
+    outs, grads = run(None)
+    ref_outs, ref_grads = run(DenseTTTCache)
+    for got, want in zip(outs, ref_outs):
+        torch.testing.assert_close(got, want, **TOL)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, **TOL)
+
+
+def test_unroll_equals_inference_chain() -> None:
+    """Step k at index t is exactly the k-th chained draft step after a prefix ending at t, as inference runs it:
+    prefill (fc(aux_0..t), x_1..x_{t+1}) at positions 0..t into a KV cache, then feed back one token at a time."""
+    draft = tiny_draft(seed=1)
+    batch = random_batch(draft, 2, 10, seed=1)
+    ids = batch["input_ids"]
+    steps = 4
+    with torch.no_grad():
+        fused = draft.fuse(batch["aux"])
+        unrolled = list(ttt_unroll(draft, fused, ids, steps))
+        for anchor in (0, 3, 5):
+            cache = DraftKVCache()
+            out = draft(fused[:, : anchor + 1], ids[:, 1 : anchor + 2], torch.arange(anchor + 1), kv_cache=cache)
+            torch.testing.assert_close(out[:, anchor], unrolled[0][:, anchor], **TOL)
+            hidden = out[:, anchor : anchor + 1]
+            for k in range(1, steps):
+                token = ids[:, anchor + k + 1 : anchor + k + 2]
+                hidden = draft(hidden, token, torch.tensor([anchor + k]), kv_cache=cache)
+                torch.testing.assert_close(hidden[:, 0], unrolled[k][:, anchor], **TOL)
+
+
+def test_single_step_is_the_plain_forward() -> None:
+    draft = tiny_draft()
+    batch = random_batch(draft, 2, 8)
+    with torch.no_grad():
+        fused = draft.fuse(batch["aux"])
+        (step0,) = list(ttt_unroll(draft, fused, batch["input_ids"], 1))
+        plain = draft(fused, shift_left(batch["input_ids"], 1), torch.arange(8))
+    torch.testing.assert_close(step0, plain, **TOL)
+
+
+def test_teacher_chunked_equals_unchunked() -> None:
+    draft = tiny_draft()
+    batch = random_batch(draft, 3, 11)
+    head = random_head(draft)
+    probs, in_vocab = teacher_targets(batch["final"], head, draft.t2d, chunk=4)  # 33 positions: a ragged last chunk
+    probs_one, in_vocab_one = teacher_targets(batch["final"], head, draft.t2d, chunk=10_000)
+    # Chunks change only the blocking of the float32 matrix product: equal up to its rounding.
+    torch.testing.assert_close(probs, probs_one, rtol=1e-5, atol=1e-7)
+    assert torch.equal(in_vocab, in_vocab_one)
+    # The definition: the full distribution restricted to the draft vocabulary and renormalised.
+    full = (batch["final"] @ head.T).softmax(-1)
+    restricted = full[..., draft.t2d]
+    torch.testing.assert_close(probs, (restricted / restricted.sum(-1, keepdim=True)).float(), rtol=1e-5, atol=1e-7)
+    assert probs.dtype == torch.float32 and probs.shape == (3, 11, draft.config.draft_vocab_size)
+    assert torch.equal(in_vocab, draft.t2d[full.argmax(-1)])
+    assert in_vocab.any() and not in_vocab.all(), "the test needs positions on both sides"
+
+
+def test_teacher_is_float32_under_autocast() -> None:
+    draft = tiny_draft()
+    final = torch.randn(1, 6, draft.config.target_hidden_size)
+    head = random_head(draft).float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        probs, _ = teacher_targets(final, head, draft.t2d, chunk=4)
+    ref, _ = teacher_targets(final, head, draft.t2d, chunk=4)
+    torch.testing.assert_close(probs, ref, rtol=0, atol=0)
+
+
+def test_loss_alignment_by_hand() -> None:
+    """ploss_k, acc_k, tokens and the weighted total recomputed position by position from the alignment rules."""
+    draft = tiny_draft(seed=2)
+    b, t, steps, decay = 2, 10, 3, 0.7
+    batch = random_batch(draft, b, t, seed=2, pad=[0, 3])
+    head = random_head(draft, seed=2)
+    cfg = TTTConfig(ttt_steps=steps, step_decay=decay, teacher_chunk=7)
+    loss, metrics = ttt_forward(draft, batch, head, cfg)
+
+    with torch.no_grad():
+        full = batch["final"] @ head.T
+        teacher = full[..., draft.t2d].softmax(-1)
+        top1_in_vocab = draft.t2d[full.argmax(-1)]
+        outs = list(ttt_unroll(draft, draft.fuse(batch["aux"]), batch["input_ids"], steps))
+        total, dropped = 0.0, 0
+        for k in range(steps):
+            terms, hits = [], []
+            for row in range(b):
+                for i in range(t):
+                    predicted = i + k + 2  # the token this position drafts
+                    if predicted >= t or not batch["loss_mask"][row, predicted]:
+                        continue
+                    if not batch["attention_mask"][row, predicted]:
+                        continue
+                    if not top1_in_vocab[row, i + k + 1]:
+                        dropped += 1
+                        continue
+                    logp = F.log_softmax(draft.logits(outs[k][row, i]), -1)
+                    target = teacher[row, i + k + 1]
+                    terms.append(-(target * logp).sum())
+                    hits.append(float(logp.argmax() == target.argmax()))
+            assert terms, "every step needs counted positions for this test"
+            ploss = float(torch.stack(terms).mean())
+            if k == 0:
+                assert metrics["tokens"] == len(terms)
+            assert metrics[f"ploss_{k}"] == pytest.approx(ploss, rel=1e-6)
+            assert metrics[f"acc_{k}"] == pytest.approx(sum(hits) / len(hits), abs=1e-6)
+            total += decay**k * ploss
+    assert dropped > 0, "the test needs positions whose verifier top-1 is outside the draft vocabulary"
+    assert float(loss.detach()) == pytest.approx(total, rel=1e-6) and metrics["loss"] == pytest.approx(total, rel=1e-6)
+
+
+def test_padding_and_untrained_positions_do_not_leak() -> None:
+    """Whatever sits in padding changes neither the loss nor a single gradient."""
+    draft = tiny_draft(seed=3)
+    batch = random_batch(draft, 2, 10, seed=3, pad=[2, 4])
+    head = random_head(draft, seed=3)
+    cfg = TTTConfig(ttt_steps=3)
+
+    def loss_and_grads(bt: dict) -> tuple[float, list[torch.Tensor]]:
+        draft.zero_grad(set_to_none=True)
+        loss, _ = ttt_forward(draft, bt, head, cfg)
+        loss.backward()
+        return float(loss.detach()), [p.grad.clone() for p in draft.parameters() if p.requires_grad]
+
+    base_loss, base_grads = loss_and_grads(batch)
+    noisy = {k: v.clone() for k, v in batch.items()}
+    g = torch.Generator().manual_seed(9)
+    pad = batch["attention_mask"] == 0
+    noisy["input_ids"][pad] = torch.randint(0, draft.config.vocab_size, (int(pad.sum()),), generator=g)
+    noisy["aux"][pad] = torch.randn(int(pad.sum()), noisy["aux"].shape[-1], generator=g, dtype=torch.float64)
+    noisy["final"][pad] = torch.randn(int(pad.sum()), noisy["final"].shape[-1], generator=g, dtype=torch.float64)
+    noisy_loss, noisy_grads = loss_and_grads(noisy)
+    assert noisy_loss == pytest.approx(base_loss, rel=1e-12)
+    for got, want in zip(noisy_grads, base_grads):
+        torch.testing.assert_close(got, want, **TOL)
+
+
+def test_nothing_to_learn_still_backpropagates() -> None:
+    draft = tiny_draft()
+    batch = random_batch(draft, 1, 6)
+    batch["loss_mask"].zero_()
+    loss, metrics = ttt_forward(draft, batch, random_head(draft), TTTConfig(ttt_steps=2))
+    loss.backward()
+    assert float(loss) == 0.0 and metrics["tokens"] == 0.0 and metrics["acc_0"] == 0.0
+
+
+def test_ttt_config_validation() -> None:
+    with pytest.raises(ValueError, match="ttt_steps"):
+        TTTConfig(ttt_steps=0)
+    with pytest.raises(ValueError, match="step_decay"):
+        TTTConfig(step_decay=1.5)
+
+
+def test_draft_overfits_a_tiny_verifier_cache() -> None:
+    """A few sequences through a tiny random Llama verifier, captured as the cache would; the draft memorises them."""
+    torch.manual_seed(0)
+    verifier_cfg = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=200,
+    )
+    verifier = LlamaForCausalLM(verifier_cfg).eval()
+    with torch.no_grad():
+        # A random verifier's next-token distribution is almost flat; a sharper head gives a teacher worth matching.
+        verifier.lm_head.weight.mul_(30.0)
+    ids = torch.randint(0, 200, (4, 48))
+    attention_mask = torch.ones_like(ids)
+    aux_layer_ids = [1, 2, 3]
+    captured = forward_hidden(verifier, ids, attention_mask, aux_layer_ids)
+    batch = {
+        "input_ids": ids,
+        "loss_mask": torch.ones_like(ids),
+        "attention_mask": attention_mask,
+        "aux": torch.cat(captured.aux, dim=-1),
+        "final": captured.final,
+    }
+
+    draft = Eagle3Draft(Eagle3Config.from_verifier(verifier_cfg, 160, aux_layer_ids), seed=0)
+    draft.load_verifier_embedding(verifier.model.embed_tokens.weight)
+    chosen = torch.randperm(200, generator=torch.Generator().manual_seed(1))[:160].sort().values
+    t2d = torch.zeros(200, dtype=torch.bool)
+    t2d[chosen] = True
+    draft.set_draft_vocab(chosen - torch.arange(160), t2d)
+
+    params = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    total_steps = 150
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - s / total_steps)
+    cfg = TTTConfig(ttt_steps=2)
+    first = None
+    for _ in range(total_steps):
+        loss, metrics = ttt_forward(draft, batch, verifier.lm_head.weight, cfg)
+        first = first or metrics
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+    with torch.no_grad():
+        _, metrics = ttt_forward(draft, batch, verifier.lm_head.weight, cfg)
+    assert first["acc_0"] < 0.2
+    assert metrics["acc_0"] > 0.95, metrics
+    assert metrics["acc_1"] > 0.8, metrics
+    assert metrics["ploss_0"] < 0.5 * first["ploss_0"]
+    assert not draft.embed_tokens.weight.requires_grad
+    torch.testing.assert_close(draft.embed_tokens.weight, verifier.model.embed_tokens.weight, rtol=0, atol=0)
