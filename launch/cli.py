@@ -41,6 +41,10 @@ STAGES: dict[str, Stage] = {
     ),
     "train": Stage("train.config:TrainJobConfig", "train.loop:run", "train an EAGLE-3 draft"),
     "bench_train": Stage("train.bench:TrainBenchConfig", "train.bench:run", "training throughput and MFU"),
+    "eval": Stage("launch.eval_job:EvalJobConfig", "launch.eval_job:run", "τ, n-α and speed-up through the real loop"),
+    "quickstart": Stage(
+        "launch.quickstart:QuickstartConfig", "launch.quickstart:main", "cache -> train -> eval -> export", hydra=False
+    ),
     "export": Stage("launch.export_job:ExportJobConfig", "launch.export_job:run", "write a serving checkpoint"),
     "export_check": Stage("", "launch.export_job:check_main", "validate any EAGLE-3 checkpoint", hydra=False),
 }

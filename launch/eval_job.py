@@ -1,0 +1,109 @@
+"""``fledge eval``: a trained (or exported) draft against plain greedy decoding and prompt lookup, per prompt set.
+
+    fledge eval draft=runs/train                          # a training run, a step folder, or an exported checkpoint
+    fledge eval draft=runs/export eval.method=tree eval.temperature=0.7
+    fledge eval 'prompts=[mtbench, my_prompts.jsonl]' eval.max_prompts=20
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eval.drafters import EagleDrafter, PromptLookupDrafter
+from eval.runner import EvalConfig, evaluate, load_prompts
+from models.verifier import VerifierConfig, load_verifier, parse_dtype
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EvalJobConfig:
+    draft: str | None = "runs/train"
+    """The draft: a ``fledge train`` output dir, one of its step folders, or an exported serving checkpoint
+    (a folder with config.json + model.safetensors). None evaluates the training-free baselines only."""
+    verifier: VerifierConfig = field(default_factory=VerifierConfig)
+    """The verifier; its ``dtype`` must be the one the evaluation runs in (``auto``: the machine's fast one)."""
+    prompts: list[str] = field(default_factory=lambda: ["mtbench"])
+    """Prompt sets: ``mtbench`` (80 two-turn questions, first turn used) or .jsonl files of {"turns": [...]}."""
+    prompt_lookup: bool = True
+    """Also run the prompt-lookup (n-gram) drafter, the baseline that needs no training."""
+    prompt_lookup_max_ngram: int = 3
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    wandb_mode: str = "offline"
+    """offline (default: no network), online, or disabled; logs the report and the acceptance curves."""
+    wandb_project: str = "fledge"
+
+
+def load_any_draft(path: Path, verifier_dir: Path, device: torch.device):
+    """A training checkpoint (run dir / step folder) or an exported serving checkpoint."""
+    if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
+        from models.export import load_exported
+
+        return load_exported(path, verifier_dir=verifier_dir).to(device)
+    from train.checkpoint import load_draft
+
+    return load_draft(path, verifier_dir=verifier_dir, device=device)
+
+
+def _set_name(source: str) -> str:
+    return source if source == "mtbench" else Path(source).stem
+
+
+def run(cfg: EvalJobConfig) -> dict[str, Any]:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = parse_dtype(cfg.verifier.dtype, device)
+    verifier = load_verifier(cfg.verifier, device)
+    # The evaluator checks that the verifier runs in its configured dtype; "auto" resolves here, once.
+    cfg.eval.dtype = str(dtype).removeprefix("torch.")
+    drafters: dict[str, Any] = {}
+    draft_meta: dict[str, Any] = {}
+    if cfg.draft is not None:
+        draft = load_any_draft(Path(cfg.draft), verifier.path, device)
+        drafters["eagle3"] = EagleDrafter(draft.to(device=device, dtype=dtype))
+        draft_meta = {"path": str(cfg.draft), "draft_vocab_size": int(draft.config.draft_vocab_size)}
+    if cfg.prompt_lookup:
+        drafters["prompt_lookup"] = PromptLookupDrafter(max_ngram=cfg.prompt_lookup_max_ngram)
+    if not drafters:
+        raise ValueError("nothing to evaluate: set draft=... or prompt_lookup=true")
+    prompt_sets = {_set_name(s): load_prompts(s) for s in cfg.prompts}
+    report = evaluate(verifier, prompt_sets, drafters, cfg.eval)
+    report["draft"] = draft_meta
+    if cfg.eval.out_dir is not None:
+        (Path(cfg.eval.out_dir) / "report.json").write_text(json.dumps(report, indent=2))
+    _log_wandb(cfg, report)
+    from launch.quickstart import format_report_table
+
+    print("\n".join(["", *format_report_table(report)]))
+    return report
+
+
+def _log_wandb(cfg: EvalJobConfig, report: dict[str, Any]) -> None:
+    if cfg.wandb_mode == "disabled" or cfg.eval.out_dir is None:
+        return
+    import wandb
+
+    out = Path(cfg.eval.out_dir)
+    run = wandb.init(project=cfg.wandb_project, mode=cfg.wandb_mode, dir=str(out), job_type="eval",
+                     config={"eval": report["config"], "draft": report.get("draft", {})})
+    try:
+        for set_name, entry in report["sets"].items():
+            for name, d in entry["drafters"].items():
+                if d.get("method") == "plain":
+                    continue
+                prefix = f"{set_name}/{name}"
+                run.summary.update({f"{prefix}/tau": d["tau"], f"{prefix}/speedup": d["speedup"],
+                                    f"{prefix}/predicted_speedup": d["predicted_speedup"]})
+                table = wandb.Table(columns=["depth", "n_alpha", "cumulative_acceptance"])
+                for depth, (a, c) in enumerate(zip(d["n_alpha"], d["cumulative_acceptance"]), start=1):
+                    table.add_data(depth, a, c)
+                run.log({f"{prefix}/acceptance": table})
+        if (out / "acceptance.png").is_file():
+            run.log({"acceptance_curves": wandb.Image(str(out / "acceptance.png"))})
+    finally:
+        run.finish()

@@ -1,0 +1,116 @@
+"""``fledge quickstart``: cache -> train -> eval -> export on the embedded default verifier, on a CPU.
+
+Each stage is the ordinary stage command run with the overrides listed in ``conf/quickstart.yaml``; a stage that
+finished with the same overrides is skipped on a rerun (a stage that was interrupted resumes on its own: the cache
+keeps its complete shards and training restarts from its last checkpoint).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+STAGE_ORDER = ("cache", "train", "eval", "export")
+
+
+@dataclass
+class QuickstartConfig:
+    run_dir: str = "runs/quickstart"
+    """Everything the quickstart writes goes under this folder."""
+    stages: list[str] = field(default_factory=lambda: list(STAGE_ORDER))
+    """Which stages to run, in pipeline order."""
+    cache: list[str] = field(default_factory=list)
+    """Overrides for ``fledge cache``."""
+    train: list[str] = field(default_factory=list)
+    """Overrides for ``fledge train``."""
+    eval: list[str] = field(default_factory=list)
+    """Overrides for ``fledge eval``."""
+    export: list[str] = field(default_factory=list)
+    """Overrides for ``fledge export``."""
+    force: bool = False
+    """Rerun stages even when they finished before with the same overrides."""
+
+    def __post_init__(self) -> None:
+        unknown = [s for s in self.stages if s not in STAGE_ORDER]
+        if unknown:
+            raise ValueError(f"quickstart.stages: unknown {unknown}; choose from {list(STAGE_ORDER)}")
+
+
+def _stamp(overrides: list[str]) -> str:
+    return hashlib.sha256(json.dumps(overrides).encode()).hexdigest()[:16]
+
+
+def run_pipeline(cfg: QuickstartConfig) -> dict[str, Any]:
+    from launch.cli import run_stage
+
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    timings: dict[str, Any] = {}
+    results: dict[str, Any] = {}
+    for stage in STAGE_ORDER:
+        if stage not in cfg.stages:
+            continue
+        overrides = list(getattr(cfg, stage))
+        done = run_dir / f".done-{stage}.json"
+        if not cfg.force and done.is_file() and json.loads(done.read_text()).get("stamp") == _stamp(overrides):
+            record = json.loads(done.read_text())
+            log.info("quickstart: %s finished before (%.0f s); skipping", stage, record["seconds"])
+            timings[stage] = {"seconds": record["seconds"], "skipped": True}
+            continue
+        log.info("quickstart: %s %s", stage, " ".join(overrides))
+        start = time.perf_counter()
+        results[stage] = run_stage(stage, overrides)
+        seconds = time.perf_counter() - start
+        timings[stage] = {"seconds": seconds, "skipped": False}
+        done.write_text(json.dumps({"stamp": _stamp(overrides), "seconds": seconds}))
+    (run_dir / "timings.json").write_text(json.dumps(timings, indent=1))
+    return {"timings": timings, "results": results}
+
+
+def summary(run_dir: Path, timings: dict[str, Any]) -> str:
+    lines = ["", "fledge quickstart — summary", ""]
+    lines.append("stage     seconds")
+    for stage, t in timings.items():
+        lines.append(f"{stage:<9} {t['seconds']:7.0f}{'  (done before)' if t['skipped'] else ''}")
+    report_path = run_dir / "eval" / "report.json"
+    if report_path.is_file():
+        report = json.loads(report_path.read_text())
+        lines += ["", *format_report_table(report)]
+    for label, path in (
+        ("acceptance curves", run_dir / "eval" / "acceptance.png"),
+        ("wandb offline run", run_dir / "train" / "wandb"),
+        ("exported checkpoint", run_dir / "export"),
+    ):
+        if path.exists():
+            lines.append(f"{label + ':':<22}{path}")
+    return "\n".join(lines)
+
+
+def format_report_table(report: dict[str, Any]) -> list[str]:
+    """One row per (prompt set, drafter): τ, n-α, speed-up against plain greedy decoding."""
+    rows = ["prompt set  drafter          τ      n-α (depth 1..)                 speed-up  greedy match"]
+    for set_name, entry in report.get("sets", {}).items():
+        for name, d in entry.get("drafters", {}).items():
+            alphas = " ".join("  - " if a is None else f"{a:.2f}" for a in (d.get("n_alpha") or [])[:6])
+            match = d.get("greedy_match_rate")
+            rows.append(
+                f"{set_name:<11} {name:<15} {d.get('tau', float('nan')):5.2f}  {alphas:<31} "
+                f"{d.get('speedup', float('nan')):6.2f}x   {'' if match is None else f'{match:.0%}'}"
+            )
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    from launch.cli import compose_config
+
+    cfg: QuickstartConfig = compose_config("quickstart", argv)
+    out = run_pipeline(cfg)
+    print(summary(Path(cfg.run_dir), out["timings"]))
+    return 0
