@@ -1,0 +1,157 @@
+"""The training loop end to end on a tiny cache, in-process: run directory, logs (JSONL and offline wandb),
+checkpoints and the final draft, load_draft, resume checks, the non-finite guard."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from launch.cli import run_stage
+from train.checkpoint import complete_checkpoints, load_draft
+from train.logger import read_jsonl, read_wandb_history, tau_sim
+
+from test_train_fixtures import build_cache, shared_root, train_overrides
+
+TRAIN_KEYS = {"loss", "ploss_0", "ploss_1", "ploss_2", "acc_0", "acc_1", "acc_2", "tau_sim", "lr", "grad_norm",
+              "tokens_per_s", "skipped_steps"}
+EVAL_KEYS = {"eval/loss", "eval/ploss_0", "eval/acc_0", "eval/acc_2", "eval/tau_sim"}
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory, smollm_tokenizer) -> Path:
+    return build_cache(shared_root(tmp_path_factory), smollm_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def short_run(cache, tmp_path_factory):
+    out = tmp_path_factory.mktemp("loop") / "run"
+    result = run_stage(
+        "train",
+        train_overrides(
+            cache, out, **{"train.max_steps": 4, "train.lr": 1e-2, "checkpoint.every": 2, "checkpoint.keep_last": 1,
+                           "eval.every": 2, "eval.holdout": 4, "log.wandb_mode": "offline"}
+        ),
+    )
+    return out, result
+
+
+def test_run_directory_and_metrics(short_run):
+    out, result = short_run
+    assert result.step == 4
+    assert {p.name for p in out.iterdir()} >= {"checkpoints", "metrics.jsonl", "wandb", "draft"}
+    # keep_last=1: the step-2 checkpoint was pruned after step 4 was complete; no temporary folder is left.
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-000004"]
+    step_dir = out / "checkpoints" / "step-000004"
+    assert {p.name for p in step_dir.iterdir()} == {
+        "model.safetensors", "draft_config.json", "fledge.json", "train_state.pt", "rng-00000.pt",
+        "train_config.yaml", "optimizer.pt", "scheduler.pt",
+    }
+    state = torch.load(step_dir / "train_state.pt", weights_only=True)
+    assert state["step"] == 4 and state["world_size"] == 1 and state["tokens_seen"] > 0
+
+    records = read_jsonl(out / "metrics.jsonl")
+    train = [r for r in records if "loss" in r]
+    evals = [r for r in records if "eval/loss" in r]
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    assert [r["step"] for r in evals] == [2, 4]
+    for r in train:
+        assert TRAIN_KEYS <= set(r), TRAIN_KEYS - set(r)
+        assert r["tau_sim"] == pytest.approx(tau_sim([r["acc_0"], r["acc_1"], r["acc_2"]]))
+        assert r["skipped_steps"] == 0 and math.isfinite(r["loss"]) and r["tokens_per_s"] > 0
+    assert EVAL_KEYS <= set(evals[-1])
+    # Smoke check of learning (the slow test overfits): lr 1e-2 lowers the loss within 4 steps.
+    assert train[-1]["loss"] < train[0]["loss"]
+    assert state["tokens_seen"] == train[-1]["tokens_seen"]
+
+
+def test_wandb_offline_run_holds_the_logged_keys(short_run):
+    out, _ = short_run
+    rows = read_wandb_history(out / "wandb")
+    train = [r for r in rows if "loss" in r]
+    evals = [r for r in rows if "eval/loss" in r]
+    assert [r["_step"] for r in train] == [1, 2, 3, 4]
+    assert TRAIN_KEYS <= set(train[0]) and EVAL_KEYS <= set(evals[-1])
+    jsonl = {r["step"]: r for r in read_jsonl(out / "metrics.jsonl") if "loss" in r}
+    for r in train:
+        assert r["loss"] == pytest.approx(jsonl[r["_step"]]["loss"], rel=1e-12)
+        assert r["acc_2"] == pytest.approx(jsonl[r["_step"]]["acc_2"], rel=1e-12)
+
+
+def test_load_draft_gives_the_final_weights(short_run, cache):
+    out, _ = short_run
+    saved = load_file(str(out / "draft" / "model.safetensors"))
+    assert "embed_tokens.weight" not in saved and {"d2t", "t2d", "fc.weight", "lm_head.weight"} <= set(saved)
+    for path in (out, out / "draft", out / "checkpoints" / "step-000004"):
+        draft = load_draft(path)
+        state = draft.state_dict()
+        for k, v in saved.items():
+            assert torch.equal(state[k], v), k
+    meta = json.loads((out / "draft" / "fledge.json").read_text())
+    from models.verifier import load_embed_and_head
+
+    embed, _ = load_embed_and_head(Path(meta["verifier"]["path"]))
+    assert torch.equal(draft.embed_tokens.weight, embed.float())
+    assert not draft.embed_tokens.weight.requires_grad
+    # A verifier with other weights would give the draft a wrong embedding: refused.
+    other = shared_root_of(cache) / "tiny-llama-0-8"
+    with pytest.raises(ValueError, match="not the verifier"):
+        load_draft(out, verifier_dir=other)
+
+
+def shared_root_of(cache: Path) -> Path:
+    return cache.parent
+
+
+def test_resume_refuses_a_breaking_change_and_allows_a_longer_run(short_run, cache, tmp_path):
+    out, _ = short_run
+    copy = tmp_path / "run"
+    shutil.copytree(out, copy)
+    base = {"train.max_steps": 4, "train.lr": 1e-2, "checkpoint.every": 2, "checkpoint.keep_last": 1,
+            "eval.every": 2, "eval.holdout": 4}
+    with pytest.raises(ValueError, match=r"ttt\.ttt_steps: checkpoint has 3, this run has 2"):
+        run_stage("train", train_overrides(cache, copy, **{**base, "ttt.ttt_steps": 2}))
+    with pytest.raises(ValueError, match=r"train\.grad_accum"):
+        run_stage("train", train_overrides(cache, copy, **{**base, "train.grad_accum": 2}))
+    # max_steps may grow: the run continues from step 4 and logs step 5 once.
+    result = run_stage("train", train_overrides(cache, copy, **{**base, "train.max_steps": 5}))
+    assert result.step == 5
+    steps = [r["step"] for r in read_jsonl(copy / "metrics.jsonl") if "loss" in r]
+    assert steps == [1, 2, 3, 4, 5]
+    assert [s for s, _ in complete_checkpoints(copy / "checkpoints")] == [5]
+
+
+def test_non_finite_step_is_skipped_and_counted(cache, tmp_path, monkeypatch):
+    import train.sampler
+
+    real = train.sampler.collate
+    calls = {"n": 0}
+
+    def poisoned(samples, device="cpu"):
+        batch = real(samples, device)
+        calls["n"] += 1
+        if calls["n"] == 2:  # the micro-batch of step 2
+            batch["aux"][0, 0, 0] = float("nan")
+        return batch
+
+    monkeypatch.setattr(train.sampler, "collate", poisoned)
+    out = tmp_path / "run"
+    run_stage("train", train_overrides(cache, out, **{"train.max_steps": 3, "checkpoint.every": 1, "checkpoint.keep_last": 3}))
+    records = {r["step"]: r for r in read_jsonl(out / "metrics.jsonl")}
+    assert [records[s]["skipped_steps"] for s in (1, 2, 3)] == [0, 1, 1]
+    assert not math.isfinite(records[2]["grad_norm"])
+    weights = {s: load_file(str(out / "checkpoints" / f"step-{s:06d}" / "model.safetensors")) for s in (1, 2, 3)}
+    optim = {s: torch.load(out / "checkpoints" / f"step-{s:06d}" / "optimizer.pt", weights_only=True) for s in (1, 2, 3)}
+    # Step 2 changed nothing (weights, Adam moments, step count, LR schedule); step 3 trained again.
+    assert all(torch.equal(weights[1][k], weights[2][k]) for k in weights[1])
+    assert not all(torch.equal(weights[2][k], weights[3][k]) for k in weights[2])
+    first = lambda s: optim[s]["state"][0]  # noqa: E731
+    assert torch.equal(first(1)["exp_avg"], first(2)["exp_avg"]) and float(first(2)["step"]) == 1.0
+    assert float(first(3)["step"]) == 2.0
+    for s in (2, 3):
+        assert all(torch.isfinite(v).all() for k, v in weights[s].items() if v.is_floating_point())

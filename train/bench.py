@@ -1,0 +1,207 @@
+"""``fledge bench train``: training throughput of the default verifier's draft, fp32 and bf16 autocast, and its MFU.
+
+No cache is needed: the batch is synthetic (random token ids, aux / final states of the right shapes), and the
+step is the real one (``TorchEngine``: TTT forward, backward, clip, AdamW). The peak is measured in the same run
+with one large matrix product per dtype, so MFU compares the draft to what this machine's matmul reaches.
+
+Model FLOPs of one training step, counted from the shapes (``train_step_flops``); element-wise work (norms,
+RoPE, softmax, SiLU) is left out, matrix products count 2 FLOPs per multiply-add:
+
+- trainable products count forward + backward = 3x forward (input and weight gradients), except ``fc``, whose
+  input (the cached aux states) needs no gradient: 2x;
+- the TTT attention counts the causal half of the step-0 scores (query t sees t+1 keys) plus one key per earlier
+  step, for QK^T and for PV, also 3x;
+- ``lm_head`` runs only on the positions the loss counts, so it is counted on those;
+- the frozen teacher (the verifier's head over the full vocabulary, one pass per position, under no_grad)
+  counts 1x; the frozen embedding lookup counts 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from launch.dist import DistInfo
+from models.draft import Eagle3Config, Eagle3Draft
+from train.config import TrainConfig
+from train.engine import EngineConfig, TorchEngine, TTTModule
+from train.ttt import TTTConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainBenchConfig:
+    hidden_size: int = 576
+    """Draft width (SmolLM2-135M-Instruct's, the default verifier's)."""
+    intermediate_size: int = 1536
+    num_attention_heads: int = 9
+    num_key_value_heads: int = 3
+    head_dim: int = 64
+    target_hidden_size: int = 576
+    vocab_size: int = 49152
+    draft_vocab_size: int = 32000
+    seq_len: int = 1024
+    """Tokens per sequence of the synthetic batch."""
+    batch_size: int = 1
+    ttt_steps: int = 7
+    steps: int = 2
+    """Timed training steps per dtype (after ``warmup`` untimed ones)."""
+    warmup: int = 1
+    dtypes: list[str] = field(default_factory=lambda: ["fp32", "bf16"])
+    matmul_size: int = 2048
+    """Side of the square matrices timed for the peak."""
+    skip_slow_dtypes: bool = True
+    """Skip the training measurement of a dtype whose matmul peak is under half of the best one (bf16 on CPUs
+    without native bf16 runs ~14x slower than fp32: a 1024-token step would take many minutes)."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        bad = [d for d in self.dtypes if d not in ("fp32", "bf16")]
+        if bad or not self.dtypes:
+            raise ValueError(f"dtypes must be a non-empty list of 'fp32' / 'bf16', got {self.dtypes}")
+        if self.steps < 1 or self.warmup < 0 or self.seq_len < 4 or self.batch_size < 1:
+            raise ValueError("steps >= 1, warmup >= 0, seq_len >= 4 and batch_size >= 1 are required")
+
+    def draft_config(self) -> Eagle3Config:
+        return Eagle3Config(
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            vocab_size=self.vocab_size,
+            draft_vocab_size=self.draft_vocab_size,
+            target_hidden_size=self.target_hidden_size,
+            rope_theta=100000.0,
+            max_position_embeddings=max(2048, self.seq_len + self.ttt_steps),
+        )
+
+
+def train_step_flops(c: Eagle3Config, batch: int, seq: int, ttt_steps: int, counted: list[int]) -> dict[str, float]:
+    """Model FLOPs of one training step by part; ``counted[k]`` = positions the loss counts at step k."""
+    tokens = batch * seq
+    h, q_out, kv_out = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    fwd_fc = 2 * tokens * 3 * c.target_hidden_size * h
+    fwd_proj = 2 * tokens * (2 * h * (q_out + 2 * kv_out) + q_out * h)  # q, k, v read 2H; o_proj
+    fwd_mlp = 2 * tokens * 3 * h * c.intermediate_size
+    causal_keys = batch * seq * (seq + 1) / 2
+    fwd_attn = sum(2 * 2 * q_out * (causal_keys + tokens * k) for k in range(ttt_steps))  # QK^T and PV
+    fwd_head = sum(2 * n * h * c.draft_vocab_size for n in counted)
+    parts = {
+        "fc": 2 * fwd_fc,
+        "qkvo": 3 * ttt_steps * fwd_proj,
+        "attention": 3 * fwd_attn,
+        "mlp": 3 * ttt_steps * fwd_mlp,
+        "lm_head": 3 * fwd_head,
+        "teacher_head (frozen, 1x)": 2 * tokens * c.target_hidden_size * c.vocab_size,
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def matmul_peak(dtype: torch.dtype, n: int, reps: int = 5) -> float:
+    """FLOP/s of an n x n x n matrix product in ``dtype`` (best of ``reps``)."""
+    a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
+    torch.mm(a, b)  # warm up the kernels
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def synthetic_batch(cfg: TrainBenchConfig, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    b, t = cfg.batch_size, cfg.seq_len
+    return {
+        "input_ids": torch.randint(0, cfg.vocab_size, (b, t), generator=gen),
+        "loss_mask": torch.ones(b, t, dtype=torch.int64),
+        "attention_mask": torch.ones(b, t, dtype=torch.int64),
+        "aux": torch.randn(b, t, 3 * cfg.target_hidden_size, generator=gen),
+        "final": torch.randn(b, t, cfg.target_hidden_size, generator=gen),
+    }
+
+
+def counted_positions(cfg: TrainBenchConfig) -> list[int]:
+    """Positions the loss counts at each step: those whose predicted token t+k+2 exists (the synthetic teacher's
+    top-1 always lies in the draft vocabulary)."""
+    return [cfg.batch_size * max(0, cfg.seq_len - k - 2) for k in range(cfg.ttt_steps)]
+
+
+def bench_dtype(cfg: TrainBenchConfig, dtype: str) -> dict[str, Any]:
+    config = cfg.draft_config()
+    gen = torch.Generator().manual_seed(cfg.seed)
+    draft = Eagle3Draft(config, seed=cfg.seed)
+    # The identity draft vocabulary (the first draft_vocab_size ids); the head rows outside it are scaled down so
+    # that the teacher's top-1 always lies inside it and every position is counted, as on well-chosen vocabularies.
+    head = torch.randn(cfg.vocab_size, cfg.target_hidden_size, generator=gen) * 0.02
+    head[cfg.draft_vocab_size :] *= 0.01
+    module = TTTModule(draft, head, TTTConfig(ttt_steps=cfg.ttt_steps))
+    total = cfg.warmup + cfg.steps
+    engine = TorchEngine(
+        module, TrainConfig(max_steps=total, dtype=dtype, warmup_steps=0), EngineConfig(), DistInfo(),
+        torch.device("cpu"), total,
+    )
+    batch = synthetic_batch(cfg, gen)
+    times, counted0 = [], 0.0
+    for i in range(total):
+        t = time.perf_counter()
+        loss, metrics = engine.forward(batch)
+        engine.backward(loss, boundary=True)
+        engine.step()
+        if i >= cfg.warmup:
+            times.append(time.perf_counter() - t)
+        counted0 = metrics["tokens"]
+    step_time = sorted(times)[len(times) // 2]
+    counted = counted_positions(cfg)
+    if abs(counted0 - counted[0]) > 0.01 * counted[0]:
+        log.warning("step 0 counted %d positions, the FLOP count assumes %d", counted0, counted[0])
+    flops = train_step_flops(config, cfg.batch_size, cfg.seq_len, cfg.ttt_steps, counted)
+    return {
+        "dtype": dtype,
+        "step_s": step_time,
+        "tokens_per_s": cfg.batch_size * cfg.seq_len / step_time,
+        "model_tflops_per_s": flops["total"] / step_time / 1e12,
+        "flops_per_step": flops,
+        "loss": float(loss.detach()),
+    }
+
+
+def run(cfg: TrainBenchConfig) -> dict[str, Any]:
+    torch.manual_seed(cfg.seed)
+    peaks = {
+        d: matmul_peak(torch.float32 if d == "fp32" else torch.bfloat16, cfg.matmul_size) for d in cfg.dtypes
+    }
+    results = []
+    for d in cfg.dtypes:
+        if cfg.skip_slow_dtypes and peaks[d] < 0.5 * max(peaks.values()):
+            print(
+                f"{d}: skipped, its matmul peak {peaks[d] / 1e12:.4f} TFLOP/s is {max(peaks.values()) / peaks[d]:.0f}x "
+                f"below the best dtype's on this CPU ({torch.backends.cpu.get_cpu_capability()}); "
+                "skip_slow_dtypes=false measures it anyway"
+            )
+            continue
+        r = bench_dtype(cfg, d)
+        r["peak_tflops_per_s"] = peaks[d] / 1e12
+        r["mfu"] = r["model_tflops_per_s"] * 1e12 / peaks[d]
+        results.append(r)
+    c = cfg
+    print(
+        f"draft H={c.hidden_size} Ht={c.target_hidden_size} V={c.vocab_size} V_draft={c.draft_vocab_size} "
+        f"batch {c.batch_size}x{c.seq_len} ttt_steps={c.ttt_steps}, {torch.get_num_threads()} threads"
+    )
+    flops = train_step_flops(cfg.draft_config(), c.batch_size, c.seq_len, c.ttt_steps, counted_positions(c))
+    print("model FLOPs per step: " + ", ".join(f"{k} {v / 1e9:.1f}G" for k, v in flops.items()))
+    print(f"{'dtype':<6} {'step s':>8} {'tokens/s':>10} {'TFLOP/s':>9} {'peak TFLOP/s':>13} {'MFU':>7}")
+    for r in results:
+        print(
+            f"{r['dtype']:<6} {r['step_s']:>8.2f} {r['tokens_per_s']:>10.1f} {r['model_tflops_per_s']:>9.3f} "
+            f"{r['peak_tflops_per_s']:>13.3f} {100 * r['mfu']:>6.1f}%"
+        )
+    return {"results": results, "peaks": peaks}

@@ -1,0 +1,141 @@
+"""The typed configuration of ``fledge train``: the root dataclass Hydra fills from ``conf/train.yaml``.
+
+Each component keeps its own small dataclass beside its code (``EngineConfig`` in engine.py, ``CheckpointConfig`` in
+checkpoint.py, ``LogConfig`` in logger.py, ``TTTConfig`` in ttt.py); the loop's own knobs (optimizer, schedule,
+batch) are ``TrainConfig`` here. Cross-field checks run once, in ``TrainJobConfig.__post_init__``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from train.checkpoint import CheckpointConfig
+from train.engine import EngineConfig
+from train.logger import LogConfig
+from train.ttt import TTTConfig
+
+DTYPES = ("fp32", "bf16")
+
+
+@dataclass
+class TrainConfig:
+    # ---- optimizer: AdamW
+    lr: float = 3e-4
+    """Peak learning rate, reached after warmup. EAGLE-3's published 5e-5 is sized for ~500k conversations x 40
+    epochs and barely moves a draft on a small budget; 3e-4 trains the tiny and the 135M-verifier drafts in
+    a few thousand steps."""
+    min_lr: float = 3e-5
+    """Learning rate at the end of the cosine decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW (beta1, beta2)."""
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay, applied to matrices only (never to norms)."""
+    warmup_steps: int | None = None
+    """Linear warmup steps; None means ``warmup_ratio`` of the total steps."""
+    warmup_ratio: float = 0.02
+    """Warmup as a fraction of the total steps when ``warmup_steps`` is None."""
+    clip_norm: float = 0.5
+    """Clip the global gradient norm to this (0 turns clipping off; the norm is still computed and logged)."""
+    # ---- length of the run
+    max_steps: int = 0
+    """Optimizer steps to train for; when > 0 it decides the length of the run and ``epochs`` is ignored."""
+    epochs: float = 1.0
+    """Passes over the training conversations (fractions allowed); used when ``max_steps`` is 0."""
+    # ---- batch
+    micro_batch_size: int = 4
+    """Sequences per forward on each rank (ignored when ``max_tokens`` > 0)."""
+    max_tokens: int = 0
+    """Token budget per forward on each rank: longest sequence x sequences <= max_tokens (0: use micro_batch_size)."""
+    grad_accum: int = 1
+    """Micro-batches accumulated per optimizer step on each rank; the global batch is world_size x grad_accum
+    micro-batches."""
+    # ---- numerics
+    dtype: str = "fp32"
+    """'fp32', or 'bf16' autocast (fp32 weights, optimizer and gradient reduction; bf16 matrix products). fp32 is
+    the default because it is the fast one where fledge is tested: these AVX2 CPUs have no native bf16 (a bf16
+    matmul runs ~14x slower than fp32, see `fledge bench train`), and fp32 keeps resume and engine-equivalence
+    checks exact. Choose bf16 on GPUs and on AMX / AVX512-BF16 CPUs, where it is several times faster."""
+    seed: int = 0
+    """Seeds the draft's initialisation, the data order (bucketing and shuffling per epoch) and the RNGs."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"train.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ValueError(f"need 0 <= train.min_lr ({self.min_lr}) <= train.lr ({self.lr}) and train.lr > 0")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"train.betas must be two numbers in [0, 1), got {self.betas}")
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            raise ValueError(f"train.warmup_steps must be >= 0 or null, got {self.warmup_steps}")
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise ValueError(f"train.warmup_ratio must lie in [0, 1), got {self.warmup_ratio}")
+        if self.clip_norm < 0:
+            raise ValueError(f"train.clip_norm must be >= 0 (0 = no clipping), got {self.clip_norm}")
+        if self.max_steps < 0 or self.epochs < 0:
+            raise ValueError("train.max_steps and train.epochs must be >= 0")
+        if self.max_steps == 0 and self.epochs <= 0:
+            raise ValueError("train.max_steps is 0, so train.epochs must be > 0 (or set train.max_steps)")
+        if self.micro_batch_size < 1 or self.max_tokens < 0 or self.grad_accum < 1:
+            raise ValueError(
+                "train.micro_batch_size and train.grad_accum must be >= 1, train.max_tokens >= 0 "
+                f"(got {self.micro_batch_size}, {self.grad_accum}, {self.max_tokens})"
+            )
+
+    def warmup(self, total_steps: int) -> int:
+        return self.warmup_steps if self.warmup_steps is not None else int(self.warmup_ratio * total_steps)
+
+
+@dataclass
+class EvalConfig:
+    every: int = 0
+    """Evaluate every N optimizer steps (and after the last one); 0 turns periodic eval off."""
+    holdout: int = 0
+    """Hold out the last N conversations of the training cache for eval (they are never trained on)."""
+    cache_dir: str | None = None
+    """A second cache to evaluate on instead of a held-out slice (same verifier and aux layers)."""
+    max_batches: int = 0
+    """Cap on eval micro-batches per rank (0: the whole held-out set)."""
+
+    def __post_init__(self) -> None:
+        if self.every < 0 or self.holdout < 0 or self.max_batches < 0:
+            raise ValueError("eval.every, eval.holdout and eval.max_batches must be >= 0")
+
+
+@dataclass
+class TrainJobConfig:
+    cache_dir: str = "runs/cache"
+    """The hidden-state cache built by ``fledge cache`` (it names the verifier, aux layers and draft vocabulary)."""
+    output_dir: str = "runs/train"
+    """Run directory: checkpoints/, metrics.jsonl, wandb/ and the final draft/."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    ttt: TTTConfig = field(default_factory=TTTConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def __post_init__(self) -> None:
+        if self.eval.holdout and self.eval.cache_dir:
+            raise ValueError(
+                "eval.holdout and eval.cache_dir are alternatives: evaluate on a held-out slice of the training "
+                "cache or on a second cache, not both"
+            )
+        if self.eval.every and not (self.eval.holdout or self.eval.cache_dir):
+            raise ValueError(
+                f"eval.every={self.eval.every} needs held-out data: set eval.holdout=N (the last N conversations "
+                "of the cache) or eval.cache_dir=PATH, or eval.every=0"
+            )
+        if self.engine.kind != "deepspeed" and self.engine.deepspeed_config:
+            raise ValueError(
+                f"engine.deepspeed_config is set but engine.kind={self.engine.kind!r}; use engine.kind=deepspeed"
+            )
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else Path(self.output_dir) / "checkpoints"
+
+    @property
+    def jsonl_path(self) -> Path:
+        return Path(self.log.jsonl) if self.log.jsonl else Path(self.output_dir) / "metrics.jsonl"

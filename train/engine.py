@@ -1,0 +1,344 @@
+"""The one place that knows about ranks and engines: single process, torch DDP, or DeepSpeed ZeRO-1/2/3.
+
+The loop sees one interface whatever the engine::
+
+    loss, metrics = engine.forward(batch)      # bf16 autocast inside when train.dtype=bf16
+    engine.backward(loss, boundary)            # boundary: last micro-batch of the step (DDP syncs gradients there)
+    result = engine.step()                     # clip, non-finite guard, AdamW, LR schedule, zero grads
+
+Every engine trains the same module (``TTTModule``: the draft plus the frozen verifier head), with torch's AdamW
+and the same warmup + cosine ``LambdaLR``; DeepSpeed is given both as client objects, so the three engines run the
+same optimizer arithmetic and a single-process run and a ZeRO run can be compared step by step (DeepSpeed's own
+fused optimizers would need compiled ops and would differ in the last bits). Only trainable parameters reach the
+optimizer: the verifier's embedding inside the draft is frozen and never in it (ZeRO-3 still partitions its
+storage, like every parameter of the module it wraps, and gathers it for the lookup).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from launch.dist import DistInfo, dist_info
+from train.ttt import TTTConfig, ttt_forward
+
+if TYPE_CHECKING:
+    from train.config import TrainConfig
+
+ENGINES = ("single", "ddp", "deepspeed")
+
+
+@dataclass
+class EngineConfig:
+    kind: str = "single"
+    """'single' (one process; also each rank's fallback), 'ddp' (torch DistributedDataParallel) or 'deepspeed'."""
+    zero_stage: int = 2
+    """DeepSpeed ZeRO stage: 1 shards optimizer states, 2 also gradients, 3 also parameters."""
+    deepspeed_config: str | None = None
+    """Path of a DeepSpeed JSON to use instead of the generated one. Batch size, accumulation and clipping are
+    taken from train.* when absent and must agree with them when present; an ``optimizer`` / ``scheduler``
+    section replaces the torch AdamW / warmup-cosine."""
+    device: str = "auto"
+    """'auto' (cuda:LOCAL_RANK when CUDA is available, else cpu), 'cpu', 'cuda', ..."""
+    backend: str = "auto"
+    """Process-group backend: 'auto' is nccl on CUDA and gloo on CPU."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ENGINES:
+            raise ValueError(f"engine.kind must be one of {ENGINES}, got {self.kind!r}")
+        if self.zero_stage not in (1, 2, 3):
+            raise ValueError(f"engine.zero_stage must be 1, 2 or 3, got {self.zero_stage}")
+
+
+class TTTModule(nn.Module):
+    """The draft and the frozen verifier head as one module, so that every training forward passes through
+    DDP's / DeepSpeed's own ``forward`` (DDP prepares its gradient all-reduce there, ZeRO-3 its parameter gathers)."""
+
+    def __init__(self, draft: nn.Module, verifier_head: torch.Tensor, ttt: TTTConfig) -> None:
+        super().__init__()
+        self.draft = draft
+        # A plain attribute, neither parameter nor buffer: DDP would broadcast it and ZeRO-3 partition it, and
+        # checkpoints would store a copy of the verifier's head.
+        self.verifier_head = verifier_head
+        self.ttt = ttt
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        if self.verifier_head.device != batch["final"].device:
+            self.verifier_head = self.verifier_head.to(batch["final"].device)
+        return ttt_forward(self.draft, batch, self.verifier_head, self.ttt)
+
+
+@dataclass
+class StepResult:
+    grad_norm: float
+    """Global gradient norm before clipping (inf or nan when the step was skipped for it)."""
+    applied: bool
+    """False when the non-finite guard skipped the update."""
+
+
+def warmup_cosine(total_steps: int, warmup_steps: int, min_ratio: float) -> Callable[[int], float]:
+    """LR multiplier: linear from 1/warmup to 1 over the warmup, then cosine down to ``min_ratio`` at the end."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        span = max(1, total_steps - warmup_steps)
+        progress = min(1.0, (step - warmup_steps) / span)
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def make_optimizer(
+    module: nn.Module, train: TrainConfig, total_steps: int
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    decay, no_decay = [], []
+    for p in module.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # foreach=False: the per-parameter loop is the same code on every engine and every machine, so runs are
+    # bitwise reproducible whatever the tensor count (the draft has ~13 tensors, the speed is the same).
+    optimizer = torch.optim.AdamW(groups, lr=train.lr, betas=tuple(train.betas), eps=train.eps, foreach=False)
+    schedule = warmup_cosine(total_steps, train.warmup(total_steps), train.min_lr / train.lr)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+
+def pick_device(cfg: EngineConfig, info: DistInfo) -> torch.device:
+    if cfg.device == "auto":
+        return torch.device(f"cuda:{info.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device(cfg.device)
+
+
+def _backend(cfg: EngineConfig, device: torch.device) -> str:
+    if cfg.backend != "auto":
+        return cfg.backend
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_process_group(cfg: EngineConfig) -> tuple[DistInfo, torch.device]:
+    """Join the process group that RANK / WORLD_SIZE describe; a plain single process joins none (except for
+    DeepSpeed, which always wants one: it gets a one-rank group on a free local port)."""
+    info = dist_info()
+    device = pick_device(cfg, info)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if cfg.kind == "deepspeed":
+        if device.type == "cpu":
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        if "WORLD_SIZE" not in os.environ:
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        import deepspeed
+
+        if not dist.is_initialized():
+            deepspeed.init_distributed(dist_backend=_backend(cfg, device), verbose=False)
+    elif info.world_size > 1 and not dist.is_initialized():
+        if cfg.kind == "single":
+            raise ValueError(
+                f"launched with WORLD_SIZE={info.world_size} but engine.kind=single; use engine.kind=ddp or deepspeed"
+            )
+        dist.init_process_group(backend=_backend(cfg, device))
+    return info, device
+
+
+def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
+    """Sum a small tensor over ranks (a no-op in a single process)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        values = values.clone()
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    return values
+
+
+def barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+class TorchEngine:
+    """A single process, or torch DDP across ranks (gradients all-reduced on the last micro-batch of a step)."""
+
+    def __init__(
+        self, module: TTTModule, train: TrainConfig, cfg: EngineConfig, info: DistInfo, device: torch.device,
+        total_steps: int,
+    ) -> None:
+        self.module = module.to(device)
+        self.draft = module.draft
+        self.device = device
+        self.bf16 = train.dtype == "bf16"
+        self.clip_norm = train.clip_norm
+        self.optimizer, self.scheduler = make_optimizer(module, train, total_steps)
+        self.params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        self.ddp = cfg.kind == "ddp" and info.world_size > 1
+        self.wrapped: nn.Module = module
+        if self.ddp:
+            from torch.nn.parallel import DistributedDataParallel
+
+            # d2t / t2d are the same constants everywhere: no need to broadcast buffers before every forward.
+            self.wrapped = DistributedDataParallel(
+                module, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False
+            )
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            return self.wrapped(batch)
+
+    def backward(self, loss: torch.Tensor, boundary: bool) -> None:
+        # Inside an accumulation window DDP must not all-reduce: gradients are summed locally and synced once.
+        with self.wrapped.no_sync() if self.ddp and not boundary else nullcontext():
+            loss.backward()
+
+    def step(self) -> StepResult:
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip_norm if self.clip_norm > 0 else math.inf)
+        # After DDP's all-reduce every rank holds the same gradients, hence the same norm and the same decision.
+        if not torch.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            return StepResult(float(norm), applied=False)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(float(norm), applied=True)
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu().clone() for k, v in self.draft.trainable_state_dict().items()}
+
+    def save_state(self, folder: Path, info: DistInfo) -> None:
+        # DDP ranks hold identical optimizer states: rank 0 writes them for everyone.
+        if info.is_main:
+            torch.save(self.optimizer.state_dict(), folder / "optimizer.pt")
+            torch.save(self.scheduler.state_dict(), folder / "scheduler.pt")
+
+    def load_state(self, folder: Path, weights: dict[str, torch.Tensor]) -> None:
+        self.draft.load_trainable_state_dict({k: v.to(self.device) for k, v in weights.items()})
+        self.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", map_location=self.device, weights_only=True))
+        self.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
+
+
+def deepspeed_config(train: TrainConfig, cfg: EngineConfig, world_size: int) -> dict[str, Any]:
+    """The DeepSpeed JSON generated from the typed config, or the user's JSON checked against it."""
+    generated: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": train.micro_batch_size,
+        "gradient_accumulation_steps": train.grad_accum,
+        "train_batch_size": train.micro_batch_size * train.grad_accum * world_size,
+        "gradient_clipping": train.clip_norm,
+        "zero_optimization": {"stage": cfg.zero_stage},
+        # bf16 here means autocast, as in the other engines: fp32 master weights, optimizer and gradient
+        # reduction, bf16 matrix products. (DeepSpeed's "bf16" section would store bf16 weights instead.)
+        "bf16": {"enabled": False},
+        "fp16": {"enabled": False},
+        "torch_autocast": {"enabled": train.dtype == "bf16", "dtype": "bfloat16", "lower_precision_safe_modules": []},
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    if not cfg.deepspeed_config:
+        return generated
+    user = json.loads(Path(cfg.deepspeed_config).read_text())
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size", "gradient_clipping"):
+        if key in user and user[key] != "auto" and user[key] != generated[key]:
+            raise ValueError(
+                f"{cfg.deepspeed_config}: {key}={user[key]} disagrees with the training config ({generated[key]}, "
+                "from train.micro_batch_size / train.grad_accum / train.clip_norm and the world size); "
+                "remove it from the JSON or change train.*"
+            )
+        user[key] = generated[key]
+    return user
+
+
+class DeepSpeedEngine:
+    """DeepSpeed ZeRO-1/2/3 around the same module, optimizer and schedule; DeepSpeed clips and skips non-finite
+    steps itself (its overflow check runs on fp32 gradients as well) and reports both."""
+
+    def __init__(
+        self, module: TTTModule, train: TrainConfig, cfg: EngineConfig, info: DistInfo, device: torch.device,
+        total_steps: int,
+    ) -> None:
+        import deepspeed
+
+        self.draft = module.draft
+        self.device = device
+        self.ds_config = deepspeed_config(train, cfg, info.world_size)
+        self.zero_stage = int(self.ds_config.get("zero_optimization", {}).get("stage", 0))
+        optimizer, scheduler = make_optimizer(module, train, total_steps)
+        client_optimizer = None if "optimizer" in self.ds_config else optimizer
+        client_scheduler = None if "scheduler" in self.ds_config else scheduler
+        params = [p for p in module.parameters() if p.requires_grad]
+        self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=module.to(device),
+            model_parameters=params,
+            optimizer=client_optimizer,
+            lr_scheduler=client_scheduler,
+            config=self.ds_config,
+        )
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        return self.ds(batch)  # DeepSpeed applies the torch_autocast section itself
+
+    def backward(self, loss: torch.Tensor, boundary: bool) -> None:
+        # The loop has already divided the loss by grad_accum; DeepSpeed must not do it a second time.
+        self.ds.backward(loss, scale_wrt_gas=False)
+        if not boundary:
+            self.ds.step()  # only advances DeepSpeed's micro-step counter inside an accumulation window
+
+    def step(self) -> StepResult:
+        self.ds.step()
+        norm = self.ds.get_global_grad_norm()
+        norm = float(norm) if norm is not None else float("nan")
+        return StepResult(norm, applied=self.ds.was_step_applied())
+
+    @property
+    def lr(self) -> float:
+        return float(self.ds.get_lr()[0])
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full trainable weights on every rank; under ZeRO-3 a collective (every rank must call it)."""
+        if self.zero_stage == 3:
+            import deepspeed
+
+            params = [p for p in self.draft.parameters() if p.requires_grad]
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                return {k: v.detach().cpu().clone() for k, v in self.draft.trainable_state_dict().items()}
+        return {k: v.detach().cpu().clone() for k, v in self.draft.trainable_state_dict().items()}
+
+    def save_state(self, folder: Path, info: DistInfo) -> None:
+        # Every rank writes its own optimizer partition; the frozen embedding is left out (it is the verifier's).
+        self.ds.save_checkpoint(
+            str(folder / "deepspeed"), tag="state", client_state={}, save_latest=False, exclude_frozen_parameters=True
+        )
+
+    def load_state(self, folder: Path, weights: dict[str, torch.Tensor]) -> None:
+        # DeepSpeed restores the module, its (partitioned) fp32 optimizer state and the client scheduler;
+        # ``weights`` (the exported copy) are not needed. Non-strict: the frozen embedding was left out.
+        path, _ = self.ds.load_checkpoint(str(folder / "deepspeed"), tag="state", load_module_strict=False)
+        if path is None:
+            raise FileNotFoundError(f"{folder / 'deepspeed'}: no DeepSpeed checkpoint with tag 'state'")
+
+
+Engine = TorchEngine | DeepSpeedEngine
+
+
+def build_engine(
+    module: TTTModule, train: TrainConfig, cfg: EngineConfig, info: DistInfo, device: torch.device, total_steps: int
+) -> Engine:
+    if cfg.kind == "deepspeed":
+        return DeepSpeedEngine(module, train, cfg, info, device, total_steps)
+    return TorchEngine(module, train, cfg, info, device, total_steps)

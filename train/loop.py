@@ -1,0 +1,285 @@
+"""``fledge train``: the training loop of the EAGLE-3 draft, in one function that reads top to bottom.
+
+    fledge train cache_dir=runs/cache output_dir=runs/train train.max_steps=2000
+    torchrun --nproc_per_node 2 -m launch.cli train engine.kind=ddp ...        (launch/torchrun.sh)
+    deepspeed --no_local_rank --module launch.cli train engine.kind=deepspeed ...  (launch/deepspeed.sh)
+
+The run directory ends up with ``checkpoints/``, ``metrics.jsonl``, ``wandb/`` and ``draft/`` (the final weights, in
+the checkpoint weight format; ``train.checkpoint.load_draft`` reads it).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from data.cache import CacheReader
+from models.draft import Eagle3Config, Eagle3Draft
+from models.verifier import load_embed_and_head
+from train import sampler as data
+from train.checkpoint import (
+    TrainState,
+    check_resume,
+    latest_checkpoint,
+    load_checkpoint,
+    remove_stale,
+    save_checkpoint,
+    write_final_draft,
+)
+from train.config import TrainJobConfig
+from train.engine import Engine, TTTModule, all_reduce_sum, barrier, build_engine, init_process_group
+from train.logger import MetricsLogger, with_tau
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    step: int
+    output_dir: Path
+    draft_dir: Path | None
+    """The final ``draft/`` (written by rank 0; None on other ranks)."""
+    last: dict[str, float]
+    """The last training record (rank 0)."""
+    last_eval: dict[str, float]
+
+
+def run(cfg: TrainJobConfig) -> TrainResult:
+    info, device = init_process_group(cfg.engine)
+    seed_everything(cfg.train.seed)
+    output_dir = Path(cfg.output_dir)
+    ckpt_dir = cfg.checkpoint_dir
+
+    # ---- data, draft and engine
+    reader = CacheReader(cfg.cache_dir)
+    train_ids, eval_reader, eval_ids = split_data(cfg, reader)
+    draft, verifier_head = build_draft(reader, cfg.train.seed)
+    sampler = data.BucketSampler(
+        reader.lengths(), train_ids, cfg.train.micro_batch_size, cfg.train.max_tokens, cfg.train.grad_accum,
+        cfg.train.seed, info.rank, info.world_size,
+    )
+    total_steps = cfg.train.max_steps or sampler.steps_for_epochs(cfg.train.epochs)
+    engine = build_engine(TTTModule(draft, verifier_head, cfg.ttt), cfg.train, cfg.engine, info, device, total_steps)
+    eval_set = data.eval_batches(
+        eval_reader.lengths() if eval_reader else [], eval_ids, cfg.train.micro_batch_size, cfg.train.max_tokens,
+        info.rank, info.world_size,
+    )
+    if cfg.eval.max_batches:
+        eval_set = eval_set[: cfg.eval.max_batches]
+    resolved = resolved_config(cfg, reader, info.world_size)
+    meta = draft_meta(reader, cfg)
+
+    # ---- resume from the latest complete checkpoint
+    state = TrainState(world_size=info.world_size)
+    if info.is_main:
+        remove_stale(ckpt_dir)
+    barrier()
+    resume_from = latest_checkpoint(ckpt_dir) if cfg.checkpoint.resume else None
+    if resume_from is not None:
+        check_resume(resume_from, resolved)
+        state = load_checkpoint(resume_from, engine, info)
+        log.info("resumed from %s (step %d)", resume_from, state.step)
+
+    logger = MetricsLogger(
+        cfg.log, output_dir, cfg.jsonl_path, resolved, info.is_main, state.step, total_steps
+    )
+    window = MetricWindow()
+    last: dict[str, float] = {}
+    last_eval: dict[str, float] = {}
+    window_start = time.perf_counter()
+
+    # ---- the loop
+    while state.step < total_steps:
+        micro_batches, position = sampler.next_step(data.DataPosition(state.epoch, state.batch))
+        for i, indices in enumerate(micro_batches):
+            batch = data.collate([reader[j] for j in indices], device)
+            loss, metrics = engine.forward(batch)
+            # Each micro-batch's mean loss / grad_accum: the step's gradient is the mean over its micro-batches
+            # (and DDP / ZeRO average over ranks), so it does not grow with the accumulation count.
+            engine.backward(loss / cfg.train.grad_accum, boundary=i == len(micro_batches) - 1)
+            window.add(metrics, tokens=int(batch["attention_mask"].sum()))
+        result = engine.step()  # clip, skip if the gradient is not finite, AdamW, LR schedule
+        state.step += 1
+        state.epoch, state.batch = position.epoch, position.batch
+        state.skipped_steps += 0 if result.applied else 1
+        if not result.applied:
+            log.warning("step %d: non-finite gradient norm %s, update skipped", state.step, result.grad_norm)
+        window.add_step(result.grad_norm)
+        logger.advance()
+
+        if state.step % cfg.log.every == 0 or state.step == total_steps:
+            record = window.reduce(time.perf_counter() - window_start)
+            state.tokens_seen += int(record.pop("tokens_total"))
+            record.update(lr=engine.lr, skipped_steps=state.skipped_steps, epoch=state.epoch, tokens_seen=state.tokens_seen)
+            logger.log(with_tau(record), state.step)
+            last, window, window_start = record, MetricWindow(), time.perf_counter()
+
+        if eval_set and cfg.eval.every and (state.step % cfg.eval.every == 0 or state.step == total_steps):
+            paused = time.perf_counter()
+            last_eval = evaluate(engine, eval_reader, eval_set, device)
+            logger.log(last_eval, state.step)
+            window.paused += time.perf_counter() - paused  # eval time is not training throughput
+
+        if (cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0) or state.step == total_steps:
+            paused = time.perf_counter()
+            # Tokens of a window not logged yet would be lost on resume: count them before saving.
+            state.tokens_seen += window.flush_tokens()
+            save_checkpoint(ckpt_dir, engine, state, draft.config, meta, resolved, info, cfg.checkpoint.keep_last)
+            window.paused += time.perf_counter() - paused
+
+    # ---- the final draft, for eval and export
+    weights = engine.trainable_state_dict()  # every rank: a collective under ZeRO-3
+    draft_dir = write_final_draft(output_dir, weights, draft.config, {**meta, "step": state.step}) if info.is_main else None
+    barrier()
+    logger.close()
+    return TrainResult(state.step, output_dir, draft_dir, last, last_eval)
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def split_data(cfg: TrainJobConfig, reader: CacheReader) -> tuple[list[int], CacheReader | None, list[int]]:
+    """Training conversations, and the eval reader and conversations (the last eval.holdout, or a second cache)."""
+    n = len(reader)
+    if cfg.eval.holdout >= n:
+        raise ValueError(f"eval.holdout={cfg.eval.holdout} leaves nothing to train on: the cache has {n} conversations")
+    if cfg.eval.cache_dir:
+        other = CacheReader(cfg.eval.cache_dir)
+        for key in ("aux_layer_ids", "hidden_size"):
+            if other.manifest[key] != reader.manifest[key]:
+                raise ValueError(f"eval.cache_dir {cfg.eval.cache_dir}: {key} {other.manifest[key]} != training cache's {reader.manifest[key]}")
+        if other.manifest["verifier"]["fingerprint"] != reader.manifest["verifier"]["fingerprint"]:
+            raise ValueError(f"eval.cache_dir {cfg.eval.cache_dir} was cached from another verifier than {cfg.cache_dir}")
+        return list(range(n)), other, list(range(len(other)))
+    if cfg.eval.holdout:
+        return list(range(n - cfg.eval.holdout)), reader, list(range(n - cfg.eval.holdout, n))
+    return list(range(n)), None, []
+
+
+def build_draft(reader: CacheReader, seed: int) -> tuple[Eagle3Draft, torch.Tensor]:
+    """A fresh draft shaped like the cache's verifier, with its embedding and the cache's draft vocabulary, and the
+    verifier's head (float32) for the teacher. Only the embedding and the head are read, never the whole model."""
+    from transformers import AutoConfig
+
+    verifier_dir = reader.verifier_dir
+    d2t, t2d = reader.draft_vocab()
+    config = Eagle3Config.from_verifier(
+        AutoConfig.from_pretrained(verifier_dir), draft_vocab_size=int(d2t.numel()),
+        aux_layer_ids=list(reader.manifest["aux_layer_ids"]),
+    )
+    if config.target_hidden_size != int(reader.manifest["hidden_size"]):
+        raise ValueError(
+            f"{reader.path}: cached hidden size {reader.manifest['hidden_size']} != verifier's {config.target_hidden_size}"
+        )
+    draft = Eagle3Draft(config, seed=seed)
+    embed, head = load_embed_and_head(verifier_dir)
+    draft.load_verifier_embedding(embed.float())
+    draft.set_draft_vocab(d2t, t2d)
+    return draft, head.float().contiguous()
+
+
+def resolved_config(cfg: TrainJobConfig, reader: CacheReader, world_size: int) -> dict[str, Any]:
+    """The config as a plain dict plus what a resume must also match (world size, the cache's identity)."""
+    from omegaconf import OmegaConf
+
+    tree = OmegaConf.to_container(OmegaConf.structured(cfg))
+    m = reader.manifest
+    tree["world_size"] = world_size
+    tree["cache"] = {
+        "path": str(reader.path),
+        "num_conversations": len(reader),
+        "num_tokens": m.get("num_tokens"),
+        "verifier_fingerprint": m["verifier"]["fingerprint"],
+    }
+    return tree
+
+
+def draft_meta(reader: CacheReader, cfg: TrainJobConfig) -> dict[str, Any]:
+    m = reader.manifest
+    return {
+        "format": "fledge-draft-1",
+        "verifier": {k: m["verifier"].get(k) for k in ("name", "path", "fingerprint")},
+        "aux_layer_ids": list(m["aux_layer_ids"]),
+        "cache": str(reader.path),
+        "ttt_steps": cfg.ttt.ttt_steps,
+    }
+
+
+class MetricWindow:
+    """Training metrics since the last log record: means over micro-batches (and ranks), sums of tokens."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.micro = 0
+        self.tokens = 0
+        self.steps = 0
+        self.grad_norm = 0.0
+        self.flushed = 0
+        self.paused = 0.0
+        """Seconds spent in eval and checkpoints inside this window (excluded from tokens/s)."""
+
+    def add(self, metrics: dict[str, float], tokens: int) -> None:
+        for k, v in metrics.items():
+            self.sums[k] = self.sums.get(k, 0.0) + float(v)
+        self.micro += 1
+        self.tokens += tokens
+
+    def add_step(self, grad_norm: float) -> None:
+        self.steps += 1
+        self.grad_norm += grad_norm
+
+    def flush_tokens(self) -> int:
+        """Tokens of all ranks not yet counted in ``tokens_seen`` (a collective)."""
+        total = int(all_reduce_sum(torch.tensor([float(self.tokens - self.flushed)], dtype=torch.float64))[0])
+        self.flushed = self.tokens
+        return total
+
+    def reduce(self, seconds: float) -> dict[str, float]:
+        """A log record (a collective: every rank calls it at the same steps)."""
+        keys = sorted(self.sums)
+        local = [self.sums[k] for k in keys] + [self.micro, self.tokens, self.tokens - self.flushed]
+        total = all_reduce_sum(torch.tensor(local, dtype=torch.float64)).tolist()
+        micro, tokens, unflushed = total[-3:]
+        record = {k: total[i] / micro for i, k in enumerate(keys) if k != "tokens"}
+        record["loss_tokens"] = total[keys.index("tokens")] if "tokens" in keys else 0.0
+        record["grad_norm"] = self.grad_norm / max(1, self.steps)
+        record["tokens_per_s"] = tokens / max(seconds - self.paused, 1e-9)
+        record["tokens_total"] = unflushed
+        return record
+
+
+@torch.no_grad()
+def evaluate(
+    engine: Engine, reader: CacheReader, batches: list[tuple[list[int], float]], device: torch.device
+) -> dict[str, float]:
+    """TTT losses and accuracies on held-out conversations, weighted by counted positions, over all ranks."""
+    keys: list[str] | None = None
+    sums: torch.Tensor | None = None
+    for indices, weight in batches:
+        _, metrics = engine.forward(data.collate([reader[j] for j in indices], device))
+        if keys is None:
+            keys = sorted(k for k in metrics if k != "tokens")
+            sums = torch.zeros(len(keys) + 1, dtype=torch.float64)
+        w = weight * metrics["tokens"]
+        sums += torch.tensor([metrics[k] * w for k in keys] + [w], dtype=torch.float64)
+    if keys is None:
+        return {}
+    total = all_reduce_sum(sums)
+    weight = float(total[-1])
+    record = {f"eval/{k}": (float(total[i]) / weight if weight > 0 else math.nan) for i, k in enumerate(keys)}
+    record["eval/tokens"] = weight
+    return with_tau(record, prefix="eval/")
