@@ -58,7 +58,9 @@ class Eagle3Config:
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
         if not 0 < self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(f"draft_vocab_size ({self.draft_vocab_size}) must lie in 1..vocab_size ({self.vocab_size})")
+            raise ValueError(
+                f"draft_vocab_size ({self.draft_vocab_size}) must lie in 1..vocab_size ({self.vocab_size})"
+            )
         if len(self.aux_layer_ids) != 3:
             raise ValueError(f"aux_layer_ids must hold 3 indices, got {self.aux_layer_ids}")
         if self.head_dim % 2:
@@ -117,7 +119,8 @@ def _normalise_rope_scaling(scaling: dict | None) -> dict | None:
     if "factor" not in scaling:
         raise ValueError(f"RoPE scaling {rope_type!r} needs a 'factor', got {scaling}")
     if rope_type == "llama3":
-        missing = [k for k in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings") if k not in scaling]
+        needed = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        missing = [k for k in needed if k not in scaling]
         if missing:
             raise ValueError(f"llama3 RoPE scaling misses {missing}: {scaling}")
     return {"rope_type": rope_type, **scaling}

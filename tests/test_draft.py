@@ -358,7 +358,8 @@ def test_tree_mask_and_keep() -> None:
         branches_add = draft(cand_hidden, cand_ids, torch.full((3,), 5), kv_cache=cache, attn_mask=additive)
         torch.testing.assert_close(branches_add, branches, rtol=1e-10, atol=1e-10)
         for j in range(3):
-            ref = draft(torch.cat([hidden, cand_hidden[:, j : j + 1]], 1), torch.cat([ids, cand_ids[:, j : j + 1]], 1), torch.arange(6))
+            seq_hidden = torch.cat([hidden, cand_hidden[:, j : j + 1]], 1)
+            ref = draft(seq_hidden, torch.cat([ids, cand_ids[:, j : j + 1]], 1), torch.arange(6))
             torch.testing.assert_close(branches[:, j], ref[:, 5], rtol=1e-10, atol=1e-10)
         # Accept candidate 2: keep the prefix and its entry, then continue decoding after it.
         cache.keep(torch.tensor([0, 1, 2, 3, 4, 7]))

@@ -6,23 +6,28 @@ final_t (the final normed state, whose head logits predict x_{t+1}):
     step 0, index t:  hidden g_t = fc(aux_t),        token x_{t+1},   position t,   target: teacher_{t+1} (x_{t+2})
     step k, index t:  hidden h^{k-1}_t (own output), token x_{t+k+1}, position t+k, target: teacher_{t+k+1} (x_{t+k+2})
 
-Index t of step k is the k-th chained draft step after a prefix ending at t: real features g_0 .. g_t exist, the
-draft's own outputs h^0_t .. h^{k-1}_t stand in for the features of positions t+1 .. t+k that the verifier has
-not computed yet, and the step reads h^{k-1}_t with the ground-truth token x_{t+k+1}. The position ids t+k are the official code's (``position_ids + lck``, lck = number
-of earlier steps) and exactly what inference gives the k-th chained draft token after a prefix ending at t.
+Index t of step k is the k-th chained draft step after a prefix ending at t: real features g_0 .. g_t exist,
+the draft's own outputs h^0_t .. h^{k-1}_t stand in for the features of positions t+1 .. t+k that the verifier
+has not computed yet, and the step reads h^{k-1}_t with the ground-truth token x_{t+k+1}. The position ids t+k
+are the official code's (``position_ids + lck``, lck = number of earlier steps) and exactly what inference gives
+the k-th chained draft token after a prefix ending at t.
 
 Attention at step k (``models.draft.ttt_attention``): query t sees the step-0 keys 0..t and key t of steps 1..k,
 which is what the same query sees at inference through the KV cache (tests/test_ttt.py checks this against a
-token-by-token cached run). The official EAGLE-3 code and SpecForge additionally hide step-0 keys t-k+1..t at
-step k (a mask "shift"); their own inference never does, it has been questioned upstream as unnecessary
-(SafeAILab/EAGLE#247, sgl-project/SpecForge#245), and we keep training and inference identical instead.
+token-by-token cached run). Some versions of the official EAGLE-3 training code, and SpecForge, additionally hide
+step-0 keys t-k+1..t at step k (a mask "shift"); no inference engine does, it has been questioned upstream
+(SafeAILab/EAGLE#247, sgl-project/SpecForge#245) and other versions of the official code drop it: we keep
+training and inference identical.
 
 Loss of step k at index t: soft cross-entropy between the draft's distribution and the teacher (the verifier's
 softmax over the draft vocabulary) at t+k+1, counted only when
-    loss_mask[t+k+2] (the predicted token is a trained token; the official code uses loss_mask[t+k], two earlier),
-    attention_mask[t+k+2] (not padding), and
-    the verifier's full-vocabulary top-1 at t+k+1 is inside the draft vocabulary (as the official code).
-Each step's loss is a mean over its counted positions; the total is sum_k decay**k * ploss_k.
+    loss_mask[t+k+2]: the predicted token is a trained token (the official code reads loss_mask[t+k], two
+        tokens earlier, which trains the two tokens after each answer and skips its first two);
+    attention_mask[t+k+2]: not padding;
+    the verifier's full-vocabulary top-1 at t+k+1 lies inside the draft vocabulary (as the official code).
+Each step's loss is a mean over its counted positions (the official code divides by all B*T positions, which
+makes the loss scale depend on padding and masking); the total is sum_k decay**k * ploss_k. acc_k is the top-1
+agreement with the teacher over the same counted positions.
 """
 
 from __future__ import annotations
