@@ -38,8 +38,8 @@ class TreeShape:
     sampled_children: bool = False
     """Sampling only. False: EAGLE-2's deterministic top-k children, verified with point-mass proposals (EAGLE's
     ``evaluate_posterior``). True: children drawn without replacement from q (Gumbel top-k), verified with
-    min(1, p/q) and q renormalised after each rejection; the rerank then keeps or drops each sibling group whole,
-    because dropping single children by their value would bias the output."""
+    min(1, p/q) and q renormalised after each rejection; the budget then keeps whole sibling groups in the order
+    they were grown, because pruning children by their drawn values would bias the output."""
 
     def __post_init__(self) -> None:
         if self.depth < 1 or self.top_k < 1:
@@ -180,7 +180,8 @@ def grow_tree(
     probability), then rerank every node grown to ``shape.total_tokens``.
 
     Path confidence only ever decreases along a path, and ties go to the earlier node, so the kept set contains the
-    parent of every kept node.
+    parent of every kept node. With sampled children the budget is applied to whole sibling groups instead (see
+    ``_keep_whole_groups``).
     """
     temperature = 1.0 if sampling.greedy else sampling.temperature
     sampled = shape.sampled_children and not sampling.greedy
@@ -224,7 +225,7 @@ def grow_tree(
     all_tokens, all_parents = torch.cat(tokens), torch.cat(parents)
     all_scores, all_depths = torch.cat(scores), torch.cat(depths)
     if sampled:
-        keep = _keep_whole_groups(all_parents, all_scores, shape.total_tokens)
+        keep = _keep_whole_groups(all_parents, shape.total_tokens)
     else:
         keep = torch.sort(all_scores, descending=True, stable=True).indices[: shape.total_tokens].sort().values
     new_index = torch.full((all_tokens.numel(),), -1, dtype=torch.long, device=keep.device)
@@ -242,17 +243,15 @@ def grow_tree(
     )
 
 
-def _keep_whole_groups(parents: torch.Tensor, scores: torch.Tensor, budget: int) -> torch.Tensor:
-    """Nodes of the best sibling groups (ranked by their parent's confidence) that fit in ``budget``, ascending.
+def _keep_whole_groups(parents: torch.Tensor, budget: int) -> torch.Tensor:
+    """Nodes of the sibling groups, in the order they were grown (level by level, best parent first), while they
+    fit in ``budget``; ascending node indices.
 
-    A group's fate depends only on its parent's score, never on the values its sampled children drew, which is
-    what keeps recursive rejection sampling exact on the pruned tree.
+    Recursive rejection sampling stays exact only if whether a node keeps its sampled children never depends on the
+    values those children drew. Ranking groups by confidence across levels would break that: which cousins get
+    expanded depends on the children's values, and an expanded cousin's group could then take a group's place.
+    Growth order depends only on what was grown before the group.
     """
-    group_parents, sizes = torch.unique_consecutive(parents, return_counts=True)
-    parent_scores = torch.where(group_parents >= 0, scores[group_parents.clamp_min(0)], 0.0)
-    order = torch.sort(parent_scores, descending=True, stable=True).indices
-    fits = torch.cumsum(sizes[order], 0) <= budget
-    starts = torch.cumsum(sizes, 0) - sizes
-    chosen = order[fits]
-    keep = [torch.arange(int(starts[g]), int(starts[g] + sizes[g]), device=parents.device) for g in chosen.tolist()]
-    return torch.cat(keep).sort().values
+    _, sizes = torch.unique_consecutive(parents, return_counts=True)
+    kept_groups = int((torch.cumsum(sizes, 0) <= budget).sum())
+    return torch.arange(int(sizes[:kept_groups].sum()), device=parents.device)

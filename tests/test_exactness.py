@@ -11,10 +11,11 @@ import torch
 
 import eval.chain
 import eval.tree
-from eval.drafters import RandomDrafter
+from eval.drafters import EagleDrafter, RandomDrafter
 from eval.exactness import chi2_critical, chi_square, exactness_check, tiny_verifier
 from eval.proposals import TreeShape, grow_tree, propose_chain_with
 from eval.sampling import SamplingParams, leviathan_accept, multi_candidate_accept, sample, target_probs
+from models.draft import Eagle3Config, Eagle3Draft
 
 VOCAB = 16
 PROMPT = torch.tensor([1, 5, 7, 2])
@@ -234,9 +235,6 @@ def test_target_probs_processing():
 
 def random_eagle_factory(verifier):
     """EagleDrafter over a random-init draft whose vocabulary is half the verifier's (ids mapped through d2t)."""
-    from eval.drafters import EagleDrafter
-    from models.draft import Eagle3Config, Eagle3Draft
-
     config = Eagle3Config.from_verifier(verifier.config, draft_vocab_size=VOCAB // 2, aux_layer_ids=[0, 1, 1])
     draft = Eagle3Draft(config, seed=0)
     draft.load_verifier_embedding(verifier.get_input_embeddings().weight.detach())

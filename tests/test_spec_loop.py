@@ -4,18 +4,24 @@ forward with the 4D mask equals running every root-to-node path on its own."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
 import torch
 
 from eval.chain import generate_chain
-from eval.drafters import PromptLookupDrafter, RandomDrafter
+from eval.drafters import EagleDrafter, PromptLookupDrafter, RandomDrafter
 from eval.exactness import tiny_verifier
-from eval.proposals import TreeShape
+from eval.proposals import TreeShape, grow_tree, propose_chain_with
+from eval.runner import EvalConfig, evaluate
 from eval.sampling import SamplingParams
 from eval.tree import generate_tree, tree_attention_mask
 from eval.verifier_state import VerifierState, generate_plain
+from models.capture import capture_hidden
+from models.draft import Eagle3Config, Eagle3Draft
+from models.export import tau_from_report
+from models.verifier import VerifierConfig, load_verifier
 
 VOCAB = 256
 
@@ -80,13 +86,9 @@ class ReferenceDrafter:
         return torch.stack(rows), slots
 
     def propose_chain(self, n, sampling, generator):
-        from eval.proposals import propose_chain_with
-
         return propose_chain_with(self, n, sampling, generator)
 
     def propose_tree(self, shape, sampling, generator):
-        from eval.proposals import grow_tree
-
         return grow_tree(self, shape, sampling, generator)
 
 
@@ -225,11 +227,6 @@ def test_prompt_lookup_proposals():
 
 # --- the EAGLE-3 drafter ------------------------------------------------------------------------------------
 
-from eval.drafters import EagleDrafter  # noqa: E402
-from eval.proposals import grow_tree  # noqa: E402
-from models.capture import capture_hidden  # noqa: E402
-from models.draft import Eagle3Config, Eagle3Draft  # noqa: E402
-
 AUX_IDS = [1, 2, 3]
 
 
@@ -335,3 +332,36 @@ def test_loop_hands_drafter_the_features_of_the_right_positions(verifier, refere
     assert [token for token, _ in spy.pairs] == sequence[1 : len(spy.pairs) + 1]
     assert len(spy.pairs) >= len(PROMPT) + MAX_NEW // 2
     torch.testing.assert_close(torch.stack([a for _, a in spy.pairs]), full_aux[: len(spy.pairs)], atol=1e-4, rtol=1e-4)
+
+
+# --- the evaluation runner ----------------------------------------------------------------------------------
+
+
+def test_evaluate_reports_lossless_drafters(tiny_verifier_dir, tmp_path):
+    """End to end on a tiny Llama with SmolLM2's tokenizer and chat template: report, JSON and PNG."""
+    verifier = load_verifier(VerifierConfig(name_or_path=str(tiny_verifier_dir), dtype="float32"))
+    config = Eagle3Config.from_verifier(verifier.model.config, draft_vocab_size=2048,
+                                        aux_layer_ids=verifier.aux_layer_ids)
+    draft = Eagle3Draft(config, seed=0)
+    draft.load_verifier_embedding(verifier.model.get_input_embeddings().weight.detach())
+    prompts = [{"id": "a", "turns": ["Say hello to the world, then say hello again."]},
+               {"id": "b", "turns": ["Count: one two three one two three one two"]}]
+    cfg = EvalConfig(method="tree", num_draft_tokens=3, tree_depth=3, tree_top_k=3, tree_total_tokens=9,
+                     max_new_tokens=12, dtype="float32", warmup_tokens=2, out_dir=str(tmp_path / "eval"))
+    drafters = {"greedy": None, "prompt_lookup": PromptLookupDrafter(), "eagle": EagleDrafter(draft),
+                "random": RandomDrafter(len(verifier.tokenizer))}
+    report = evaluate(verifier, {"toy": prompts}, drafters, cfg)
+    entries = report["sets"]["toy"]["drafters"]
+    assert entries["prompt_lookup"]["method"] == "chain" and entries["eagle"]["method"] == "tree"
+    for name in ("prompt_lookup", "eagle", "random"):
+        assert entries[name]["greedy_match_rate"] == 1.0, entries[name]["greedy_mismatches"]
+        assert entries[name]["tau"] >= 1.0 and len(entries[name]["histogram"]) == entries[name]["num_draft"] + 1
+        assert entries[name]["tokens_per_s"] > 0 and entries[name]["verify_cost_in_steps"] > 0
+    assert entries["greedy"]["method"] == "plain"
+    assert (tmp_path / "eval" / "report.json").is_file() and (tmp_path / "eval" / "acceptance.png").stat().st_size
+    taus = tau_from_report(json.loads((tmp_path / "eval" / "report.json").read_text()))
+    assert set(taus) == {"sets/toy/drafters/prompt_lookup", "sets/toy/drafters/eagle", "sets/toy/drafters/random"}
+    with pytest.raises(ValueError, match="dtype"):
+        evaluate(verifier, prompts, drafters, EvalConfig(dtype="bfloat16", out_dir=None))
+    with pytest.raises(ValueError, match="method"):
+        EvalConfig(method="beam")

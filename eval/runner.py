@@ -1,0 +1,317 @@
+"""Evaluate drafters on prompt sets: plain decoding as the baseline, then each drafter through the real loop.
+
+Per prompt set and drafter the report holds τ, n-α per depth, the acceptance histogram, tokens/s, the measured
+speed-up over the baseline, the speed-up Leviathan's formula predicts from α and the measured draft/verifier cost
+ratio, the cost of one round in baseline steps, and (greedy) the rate of outputs equal to plain greedy decoding
+token for token. It is written as JSON with a PNG of the acceptance curves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from eval.chain import generate_chain
+from eval.metrics import AcceptanceTrace, predicted_speedup, summarize
+from eval.proposals import Drafter, TreeShape
+from eval.sampling import SamplingParams
+from eval.tree import generate_tree
+from eval.verifier_state import DecodeResult, generate_plain
+from models.verifier import Verifier, parse_dtype
+
+log = logging.getLogger(__name__)
+
+METHODS = ("chain", "tree")
+
+
+@dataclass
+class EvalConfig:
+    method: str = "chain"
+    """How drafts are verified: ``chain`` (N drafts in a row) or ``tree`` (EAGLE-2 dynamic tree). Drafters that
+    cannot grow trees (prompt lookup) always run as chains."""
+    num_draft_tokens: int = 5
+    """N, drafts per chain round."""
+    tree_depth: int = 6
+    """Longest draft path of a tree round."""
+    tree_top_k: int = 8
+    """Children per expanded node and nodes expanded per level (EAGLE-2)."""
+    tree_total_tokens: int = 48
+    """Draft tokens kept per tree after reranking (the verifier checks this many + 1 per round)."""
+    tree_sampled_children: bool = False
+    """Sampling only: draw tree children without replacement from the draft (verified with q renormalisation)
+    instead of EAGLE-2's deterministic top-k."""
+    temperature: float = 0.0
+    """0 is greedy decoding (and the greedy match rate is reported); > 0 samples."""
+    top_p: float = 1.0
+    """Nucleus sampling on the verifier's distribution."""
+    top_k: int = 0
+    """Top-k sampling on the verifier's distribution; 0 is off."""
+    max_new_tokens: int = 128
+    """Generation stops here or at the end-of-turn token, for the baseline and every drafter alike."""
+    max_prompts: int | None = None
+    """Use only the first prompts of each set (None: all)."""
+    seed: int = 0
+    """Sampling seed; each prompt restarts from it, so the baseline and each drafter see the same randomness."""
+    dtype: str = "bfloat16"
+    """The dtype the verifier runs in (the caller loads it so; checked here and reported). Losslessness is judged
+    against plain greedy decoding in this same dtype: bf16 greedy itself differs from fp32 greedy."""
+    warmup_tokens: int = 8
+    """A short untimed generation per method first, so that one-time setup does not count as speed."""
+    out_dir: str | None = "runs/eval"
+    """Where report.json and acceptance.png go; None writes nothing."""
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"eval.method must be one of {METHODS}, got {self.method!r}")
+        if self.num_draft_tokens < 1:
+            raise ValueError(f"eval.num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"eval.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        parse_dtype(self.dtype)
+        self.tree_shape()
+        self.sampling()
+
+    def tree_shape(self) -> TreeShape:
+        return TreeShape(
+            depth=self.tree_depth,
+            top_k=self.tree_top_k,
+            total_tokens=self.tree_total_tokens,
+            sampled_children=self.tree_sampled_children,
+        )
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+
+
+def load_prompts(source: str | Path, limit: int | None = None) -> list[dict]:
+    """Prompts as [{"id", "turns"}] from ``mtbench`` (the installed MT-bench questions) or a .jsonl file whose
+    records have ``turns`` (and ``id`` or ``question_id``)."""
+    if str(source) == "mtbench":
+        from data.sources import mtbench_dir
+
+        path = mtbench_dir() / "question.jsonl"
+    else:
+        path = Path(source)
+    prompts = []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        if not record.get("turns"):
+            raise ValueError(f"{path}: a record without 'turns': {line[:80]}")
+        prompts.append({"id": record.get("id", record.get("question_id", len(prompts))), "turns": record["turns"]})
+    return prompts[:limit] if limit is not None else prompts
+
+
+def encode_prompt(tokenizer, prompt: dict) -> torch.Tensor:
+    """The first turn as a user message in the verifier's chat template, ready for the assistant's answer."""
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt["turns"][0]}], add_generation_prompt=True, tokenize=False
+    )
+    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+
+def stop_ids_of(verifier: Verifier) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (getattr(verifier.tokenizer, "eos_token_id", None),
+                   getattr(getattr(verifier.model, "generation_config", None), "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(int(i) for i in source)
+    return frozenset(ids)
+
+
+def _generator(device: torch.device, seed: int) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _run(
+    verifier: Verifier, prompt_ids: torch.Tensor, drafter: Drafter | None, method: str, cfg: EvalConfig,
+    stop_ids: frozenset[int], max_new_tokens: int,
+) -> DecodeResult:
+    generator = _generator(verifier.device, cfg.seed)
+    common = dict(max_new_tokens=max_new_tokens, sampling=cfg.sampling(), stop_ids=stop_ids, generator=generator)
+    if drafter is None:
+        return generate_plain(verifier.model, prompt_ids, **common)
+    aux = verifier.aux_layer_ids if drafter.needs_aux else None
+    if method == "tree":
+        return generate_tree(verifier.model, prompt_ids, drafter, shape=cfg.tree_shape(), aux_layer_ids=aux, **common)
+    return generate_chain(verifier.model, prompt_ids, drafter, num_draft_tokens=cfg.num_draft_tokens,
+                          aux_layer_ids=aux, **common)
+
+
+def _method_of(drafter: Drafter | None, cfg: EvalConfig) -> str:
+    if drafter is None:
+        return "plain"
+    return "tree" if cfg.method == "tree" and drafter.supports_tree else "chain"
+
+
+def evaluate(
+    verifier: Verifier,
+    prompts: list[dict] | dict[str, list[dict]],
+    drafters: dict[str, Drafter | None],
+    cfg: EvalConfig,
+) -> dict:
+    """Run plain decoding and every drafter on every prompt set; returns (and writes) the report.
+
+    ``prompts``: one set [{"id", "turns"}] or {set name: set}. ``drafters``: {name: drafter}; a None drafter is
+    plain decoding under that name. The baseline always runs first.
+    """
+    if verifier.dtype != parse_dtype(cfg.dtype):
+        raise ValueError(f"the verifier runs in {verifier.dtype} but eval.dtype is {cfg.dtype}; load it in that dtype")
+    sets = prompts if isinstance(prompts, dict) else {"prompts": prompts}
+    stop_ids = stop_ids_of(verifier)
+    greedy = cfg.sampling().greedy
+    report: dict = {
+        "config": dataclasses.asdict(cfg),
+        "verifier": {"name": verifier.name, "dtype": str(verifier.dtype).replace("torch.", ""),
+                     "aux_layer_ids": verifier.aux_layer_ids, "device": str(verifier.device)},
+        "stop_ids": sorted(stop_ids),
+        "sets": {},
+    }
+    named = [(name, d) for name, d in drafters.items() if d is not None]
+    for set_name, set_prompts in sets.items():
+        encoded = [(p["id"], encode_prompt(verifier.tokenizer, p)) for p in set_prompts[: cfg.max_prompts]]
+        if not encoded:
+            raise ValueError(f"prompt set {set_name!r} is empty")
+        if cfg.warmup_tokens:
+            for drafter in [None, *(d for _, d in named)]:
+                _run(verifier, encoded[0][1], drafter, _method_of(drafter, cfg), cfg, stop_ids, cfg.warmup_tokens)
+        baseline = [_run(verifier, ids, None, "plain", cfg, stop_ids, cfg.max_new_tokens) for _, ids in encoded]
+        base = _baseline_summary(baseline)
+        set_report = {"num_prompts": len(encoded), "baseline": base, "drafters": {}}
+        for name, drafter in named:
+            method = _method_of(drafter, cfg)
+            results = [_run(verifier, ids, drafter, method, cfg, stop_ids, cfg.max_new_tokens) for _, ids in encoded]
+            entry = _drafter_summary(results, baseline, [pid for pid, _ in encoded], method, cfg, base, greedy)
+            set_report["drafters"][name] = entry
+            log.info("%s / %s: %s", set_name, name, _one_line(entry))
+            print(f"[eval] {set_name} / {name}: {_one_line(entry)}", flush=True)
+        for name, drafter in drafters.items():
+            if drafter is None:
+                set_report["drafters"][name] = {"method": "plain", **base}
+        report["sets"][set_name] = set_report
+    if cfg.out_dir is not None:
+        out = Path(cfg.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "report.json").write_text(json.dumps(report, indent=2))
+        plot_acceptance(report, out / "acceptance.png")
+        report["files"] = {"json": str(out / "report.json"), "png": str(out / "acceptance.png")}
+    return report
+
+
+def _baseline_summary(results: list[DecodeResult]) -> dict:
+    tokens = sum(len(r.tokens) for r in results)
+    seconds = sum(r.seconds for r in results)
+    steps = sum(max(len(r.tokens) - 1, 0) for r in results)
+    return {
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds if seconds else 0.0,
+        # One decoding step of the verifier (prefill excluded): the unit every cost below is measured in.
+        "step_seconds": sum(r.verify_seconds for r in results) / steps if steps else 0.0,
+    }
+
+
+def _drafter_summary(
+    results: list[DecodeResult], baseline: list[DecodeResult], prompt_ids: list, method: str, cfg: EvalConfig,
+    base: dict, greedy: bool,
+) -> dict:
+    num_draft = cfg.tree_depth if method == "tree" else cfg.num_draft_tokens
+    trace = AcceptanceTrace(
+        accepted=[a for r in results for a in r.accepted],
+        num_draft=num_draft,
+        proposed=[p for r in results for p in r.proposed],
+    )
+    entry = {"method": method, **summarize(trace)}
+    tokens = sum(len(r.tokens) for r in results)
+    seconds = sum(r.seconds for r in results)
+    rounds = max(len(trace.accepted), 1)
+    drafted = sum(trace.offered())
+    step = base["step_seconds"]
+    draft_seconds = sum(r.draft_seconds for r in results)
+    verify_seconds = sum(r.verify_seconds for r in results)
+    # c = cost of drafting one token / cost of one verifier step, both measured in this run.
+    cost_ratio = (draft_seconds / drafted) / step if drafted and step else 0.0
+    entry.update(
+        tokens=tokens,
+        seconds=seconds,
+        tokens_per_s=tokens / seconds if seconds else 0.0,
+        speedup=(tokens / seconds) / base["tokens_per_s"] if seconds and base["tokens_per_s"] else 0.0,
+        cost_ratio=cost_ratio,
+        predicted_speedup=predicted_speedup(entry["alpha"], num_draft, cost_ratio),
+        verifier_calls=len(trace.accepted),
+        mean_tree_nodes=sum(n for r in results for n in r.tree_nodes) / rounds,
+        # What one round costs in plain decoding steps: verification (forward, acceptance, cache rollback) and
+        # drafting; per-round overhead on a small verifier decides whether speculation pays at all.
+        verify_cost_in_steps=verify_seconds / rounds / step if step else 0.0,
+        draft_cost_in_steps=draft_seconds / rounds / step if step else 0.0,
+    )
+    if greedy:
+        mismatched = [
+            {"id": pid, "first_difference": _first_difference(r.tokens, b.tokens)}
+            for pid, r, b in zip(prompt_ids, results, baseline)
+            if r.tokens != b.tokens
+        ]
+        entry["greedy_match_rate"] = 1.0 - len(mismatched) / len(results)
+        # Where outputs part: in bf16 a multi-token verification rounds differently from one-token steps, and a
+        # near-tie can flip; an early first difference in fp32 would instead point at a bug.
+        entry["greedy_mismatches"] = mismatched
+    return entry
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _one_line(entry: dict) -> str:
+    text = (f"{entry['method']} tau {entry['tau']:.2f}, alpha {entry['alpha']:.2f}, "
+            f"{entry['tokens_per_s']:.1f} tok/s, speed-up {entry['speedup']:.2f}x "
+            f"(predicted {entry['predicted_speedup']:.2f}x, c={entry['cost_ratio']:.3f}), "
+            f"round = {entry['verify_cost_in_steps']:.2f} + {entry['draft_cost_in_steps']:.2f} steps")
+    if "greedy_match_rate" in entry:
+        text += f", greedy match {entry['greedy_match_rate']:.0%}"
+    return text
+
+
+def plot_acceptance(report: dict, path: Path) -> None:
+    """n-α per depth, cumulative acceptance per depth, and τ against the chain length, one line per drafter."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for set_name, set_report in report["sets"].items():
+        for name, entry in set_report["drafters"].items():
+            if entry.get("method") == "plain":
+                continue
+            label = f"{set_name}/{name} ({entry['method']})"
+            depths = list(range(1, len(entry["n_alpha"]) + 1))
+            n_alpha = [float("nan") if a is None else a for a in entry["n_alpha"]]
+            axes[0].plot(depths, n_alpha, marker="o", label=label)
+            axes[1].plot(depths, entry["cumulative_acceptance"], marker="o", label=label)
+            axes[2].plot(range(len(entry["tau_by_length"])), entry["tau_by_length"], marker="o", label=label)
+    for ax, title, ylabel in zip(
+        axes,
+        ("n-α: P(depth n accepted | all before)", "cumulative: P(≥ n accepted)", "τ had rounds drafted only N"),
+        ("n-α", "fraction of verifier calls", "τ (tokens per verifier call)"),
+    ):
+        ax.set_title(title)
+        ax.set_xlabel("depth n" if ax is not axes[2] else "N")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes[0].set_ylim(0, 1.05)
+    axes[1].set_ylim(0, 1.05)
+    axes[2].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
