@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from eval.chain import generate_chain
+from eval.drafters import EagleDrafter
 from eval.metrics import AcceptanceTrace, predicted_speedup, summarize
 from eval.proposals import Drafter, TreeShape
 from eval.sampling import SamplingParams
@@ -125,6 +126,23 @@ def stop_ids_of(verifier: Verifier) -> frozenset[int]:
         elif isinstance(source, (list, tuple)):
             ids.update(int(i) for i in source)
     return frozenset(ids)
+
+
+def load_eagle_drafter(path: str | Path, verifier: Verifier) -> EagleDrafter:
+    """An ``EagleDrafter`` from a fledge training run / checkpoint or from an exported serving checkpoint (a folder
+    whose config.json is a ``LlamaForCausalLMEagle3`` or speculators config), in the verifier's dtype and device."""
+    path = Path(path)
+    config_file = path / "config.json"
+    architectures = json.loads(config_file.read_text()).get("architectures", []) if config_file.is_file() else []
+    if architectures:
+        from models.export import load_exported
+
+        draft = load_exported(path, verifier.path)
+    else:
+        from train.checkpoint import load_draft
+
+        draft = load_draft(path, verifier.path)
+    return EagleDrafter(draft.to(device=verifier.device, dtype=verifier.dtype))
 
 
 def _generator(device: torch.device, seed: int) -> torch.Generator:
