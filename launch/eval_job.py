@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from eval.drafters import EagleDrafter, PromptLookupDrafter
-from eval.runner import EvalConfig, evaluate, load_prompts
+from eval.drafters import PromptLookupDrafter
+from eval.runner import EvalConfig, evaluate, load_eagle_drafter, load_prompts
 from models.verifier import VerifierConfig, load_verifier, parse_dtype
 
 log = logging.getLogger(__name__)
@@ -40,17 +40,6 @@ class EvalJobConfig:
     wandb_project: str = "fledge"
 
 
-def load_any_draft(path: Path, verifier_dir: Path, device: torch.device):
-    """A training checkpoint (run dir / step folder) or an exported serving checkpoint."""
-    if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
-        from models.export import load_exported
-
-        return load_exported(path, verifier_dir=verifier_dir).to(device)
-    from train.checkpoint import load_draft
-
-    return load_draft(path, verifier_dir=verifier_dir, device=device)
-
-
 def _set_name(source: str) -> str:
     return source if source == "mtbench" else Path(source).stem
 
@@ -64,9 +53,10 @@ def run(cfg: EvalJobConfig) -> dict[str, Any]:
     drafters: dict[str, Any] = {}
     draft_meta: dict[str, Any] = {}
     if cfg.draft is not None:
-        draft = load_any_draft(Path(cfg.draft), verifier.path, device)
-        drafters["eagle3"] = EagleDrafter(draft.to(device=device, dtype=dtype))
-        draft_meta = {"path": str(cfg.draft), "draft_vocab_size": int(draft.config.draft_vocab_size)}
+        # A training run / step folder or an exported serving checkpoint, in the verifier's dtype and device.
+        drafter = load_eagle_drafter(cfg.draft, verifier)
+        drafters["eagle3"] = drafter
+        draft_meta = {"path": str(cfg.draft), "draft_vocab_size": int(drafter.draft.config.draft_vocab_size)}
     if cfg.prompt_lookup:
         drafters["prompt_lookup"] = PromptLookupDrafter(max_ngram=cfg.prompt_lookup_max_ngram)
     if not drafters:

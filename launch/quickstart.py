@@ -107,10 +107,27 @@ def format_report_table(report: dict[str, Any]) -> list[str]:
     return rows
 
 
+def split_argv(argv: list[str]) -> tuple[list[str], dict[str, list[str]]]:
+    """``stage:key=value`` goes to that stage (after the YAML's overrides); the rest configures the quickstart."""
+    own: list[str] = []
+    extra: dict[str, list[str]] = {s: [] for s in STAGE_ORDER}
+    for arg in argv:
+        stage, sep, rest = arg.partition(":")
+        if sep and stage in extra and "=" in rest:
+            extra[stage].append(rest)
+        else:
+            own.append(arg)
+    return own, extra
+
+
 def main(argv: list[str]) -> int:
+    """``fledge quickstart [run_dir=...] [cache:data.max_conversations=200] [train:train.epochs=3] ...``"""
     from launch.cli import compose_config
 
-    cfg: QuickstartConfig = compose_config("quickstart", argv)
+    own, extra = split_argv(argv)
+    cfg: QuickstartConfig = compose_config("quickstart", own)
+    for stage, overrides in extra.items():
+        getattr(cfg, stage).extend(overrides)
     out = run_pipeline(cfg)
     print(summary(Path(cfg.run_dir), out["timings"]))
     return 0
