@@ -89,26 +89,6 @@ class EvalConfig:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
 
 
-def load_prompts(source: str | Path, limit: int | None = None) -> list[dict]:
-    """Prompts as [{"id", "turns"}] from ``mtbench`` (the installed MT-bench questions) or a .jsonl file whose
-    records have ``turns`` (and ``id`` or ``question_id``)."""
-    if str(source) == "mtbench":
-        from data.sources import mtbench_dir
-
-        path = mtbench_dir() / "question.jsonl"
-    else:
-        path = Path(source)
-    prompts = []
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        record = json.loads(line)
-        if not record.get("turns"):
-            raise ValueError(f"{path}: a record without 'turns': {line[:80]}")
-        prompts.append({"id": record.get("id", record.get("question_id", len(prompts))), "turns": record["turns"]})
-    return prompts[:limit] if limit is not None else prompts
-
-
 def encode_prompt(tokenizer, prompt: dict) -> torch.Tensor:
     """The first turn as a user message in the verifier's chat template, ready for the assistant's answer."""
     text = tokenizer.apply_chat_template(

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from eval.drafters import PromptLookupDrafter
-from eval.runner import EvalConfig, evaluate, load_eagle_drafter, load_prompts
+from data.sources import load_prompts
+from eval.runner import EvalConfig, evaluate, load_eagle_drafter
 from models.verifier import VerifierConfig, load_verifier, parse_dtype
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,8 @@ class EvalJobConfig:
     verifier: VerifierConfig = field(default_factory=VerifierConfig)
     """The verifier; its ``dtype`` must be the one the evaluation runs in (``auto``: the machine's fast one)."""
     prompts: list[str] = field(default_factory=lambda: ["mtbench"])
-    """Prompt sets: ``mtbench`` (80 two-turn questions, first turn used) or .jsonl files of {"turns": [...]}."""
+    """Prompt sets: ``mtbench`` (80 two-turn questions; the first turn is used), ``sharegpt``, ``hf:...``, or a
+    .jsonl / .json file of {"prompt": ...}, {"turns": [...]}, ShareGPT or OpenAI records."""
     prompt_lookup: bool = True
     """Also run the prompt-lookup (n-gram) drafter, the baseline that needs no training."""
     prompt_lookup_max_ngram: int = 3
