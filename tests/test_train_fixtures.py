@@ -97,21 +97,28 @@ def train_overrides(cache: Path, out: Path, **extra: object) -> list[str]:
     return [f"{k}={v}" for k, v in args.items()]
 
 
+def cli_command(args: list[str], nproc: int = 1, launcher: str = "torchrun", port: int = 29561) -> list[str]:
+    """``fledge train`` as a subprocess command: plain, ``torchrun --nproc_per_node``, or the ``deepspeed`` launcher."""
+    if launcher == "deepspeed":
+        return [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(nproc), "--no_local_rank",
+                "--master_port", str(port), "--module", "launch.cli", "train", *args]
+    if nproc == 1:
+        return [sys.executable, "-m", "launch.cli", "train", *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", "launch.cli", "train", *args]
+
+
+def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    # One thread per process: the same arithmetic in every run (bitwise comparisons) and no oversubscription.
+    return {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", **(extra or {})}
+
+
 def run_cli(
     args: list[str], nproc: int = 1, env: dict[str, str] | None = None, timeout: float = 600, check: bool = True,
     launcher: str = "torchrun",
 ) -> subprocess.CompletedProcess:
-    """``fledge train`` in a subprocess: plain, under ``torchrun --nproc_per_node``, or the ``deepspeed`` launcher."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", **(env or {})}
-    if nproc == 1 and launcher == "torchrun":
-        cmd = [sys.executable, "-m", "launch.cli", "train", *args]
-    elif launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "launch.cli", "train", *args]
-    else:
-        cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(nproc), "--no_local_rank",
-               "--master_port", "29561", "--module", "launch.cli", "train", *args]
-    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    cmd = cli_command(args, nproc, launcher)
+    proc = subprocess.run(cmd, cwd=REPO, env=cli_env(env), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc

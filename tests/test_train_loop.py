@@ -56,6 +56,11 @@ def test_run_directory_and_metrics(short_run):
     assert state["step"] == 4 and state["world_size"] == 1 and state["tokens_seen"] > 0
 
     records = read_jsonl(out / "metrics.jsonl")
+    setup = records[0]
+    assert setup["step"] == 0 and setup["total_steps"] == 4
+    # Only the draft's own weights are optimised: the verifier's embedding (49152 x 32) is frozen and left out.
+    assert setup["params/in_optimizer"] == setup["params/trainable"] > 0
+    assert setup["params/frozen"] == 49152 * 32
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval/loss" in r]
     assert [r["step"] for r in train] == [1, 2, 3, 4]

@@ -82,15 +82,24 @@ class TrainBenchConfig:
         )
 
 
-def train_step_flops(c: Eagle3Config, batch: int, seq: int, ttt_steps: int, counted: list[int]) -> dict[str, float]:
-    """Model FLOPs of one training step by part; ``counted[k]`` = positions the loss counts at step k."""
+def train_step_flops(
+    c: Eagle3Config, batch: int, seq: int, ttt_steps: int, counted: list[int], causal: bool = True
+) -> dict[str, float]:
+    """Model FLOPs of one training step by part; ``counted[k]`` = positions the loss counts at step k.
+
+    ``causal=False`` counts the step-0 attention over all T x T query-key pairs and leaves out the per-step
+    diagonal terms, which is what the implementation executes as matrix products (tests compare against
+    torch's FLOP counter that way); MFU uses the causal count."""
     tokens = batch * seq
     h, q_out, kv_out = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     fwd_fc = 2 * tokens * 3 * c.target_hidden_size * h
     fwd_proj = 2 * tokens * (2 * h * (q_out + 2 * kv_out) + q_out * h)  # q, k, v read 2H; o_proj
     fwd_mlp = 2 * tokens * 3 * h * c.intermediate_size
-    causal_keys = batch * seq * (seq + 1) / 2
-    fwd_attn = sum(2 * 2 * q_out * (causal_keys + tokens * k) for k in range(ttt_steps))  # QK^T and PV
+    if causal:
+        keys = [batch * seq * (seq + 1) / 2 + tokens * k for k in range(ttt_steps)]
+    else:
+        keys = [batch * seq * seq] * ttt_steps
+    fwd_attn = sum(2 * 2 * q_out * n for n in keys)  # QK^T and PV
     fwd_head = sum(2 * n * h * c.draft_vocab_size for n in counted)
     parts = {
         "fc": 2 * fwd_fc,

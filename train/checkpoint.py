@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
+import signal
 import re
 import shutil
 from dataclasses import asdict, dataclass
@@ -166,6 +168,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _fault_point(where: str, step: int) -> None:
+    """Tests kill the process here with SIGKILL (``FLEDGE_TRAIN_FAULT=save:4``: while writing step 4's folder)."""
+    if os.environ.get("FLEDGE_TRAIN_FAULT") == f"{where}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _barrier() -> None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
@@ -196,6 +204,7 @@ def save_checkpoint(
 
         (tmp / TRAIN_CONFIG).write_text(OmegaConf.to_yaml(train_config))
     torch.save(rng_state(), tmp / f"rng-{info.rank:05d}.pt")
+    _fault_point("save", state.step)
     engine.save_state(tmp, info)
     _barrier()
     if info.is_main:

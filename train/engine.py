@@ -188,11 +188,19 @@ class TorchEngine:
         self.ddp = cfg.kind == "ddp" and info.world_size > 1
         self.wrapped: nn.Module = module
         if self.ddp:
+            import inspect
+
             from torch.nn.parallel import DistributedDataParallel
 
             # d2t / t2d are the same constants everywhere: no need to broadcast buffers before every forward.
+            # (torch >= 2.12 renamed the switch.)
+            no_sync_buffers = (
+                {"forward_sync_buffers": False}
+                if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+                else {"broadcast_buffers": False}
+            )
             self.wrapped = DistributedDataParallel(
-                module, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False
+                module, device_ids=[device.index] if device.type == "cuda" else None, **no_sync_buffers
             )
 
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
@@ -218,6 +226,10 @@ class TorchEngine:
     @property
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
+
+    def optimizer_numel(self) -> int | None:
+        """Parameters the optimizer updates (the trainable ones; the frozen embedding must not be among them)."""
+        return sum(p.numel() for p in self.params)
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self.draft.trainable_state_dict().items()}
@@ -308,6 +320,15 @@ class DeepSpeedEngine:
     @property
     def lr(self) -> float:
         return float(self.ds.get_lr()[0])
+
+    def optimizer_numel(self) -> int | None:
+        """Parameters ZeRO's optimizer holds (over all partitions); None for optimizers it did not wrap."""
+        opt = self.optimizer
+        if self.zero_stage == 3 and hasattr(opt, "fp16_groups"):
+            return sum(p.ds_numel for group in opt.fp16_groups for p in group)
+        if hasattr(opt, "bit16_groups"):
+            return sum(p.numel() for group in opt.bit16_groups for p in group)
+        return None
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Full trainable weights on every rank; under ZeRO-3 a collective (every rank must call it)."""

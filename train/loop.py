@@ -91,6 +91,14 @@ def run(cfg: TrainJobConfig) -> TrainResult:
     logger = MetricsLogger(
         cfg.log, output_dir, cfg.jsonl_path, resolved, info.is_main, state.step, total_steps
     )
+    # ds_numel: ZeRO-3 leaves each rank's parameter tensors empty and records their full size there.
+    numel = {p: getattr(p, "ds_numel", p.numel()) for p in draft.parameters()}
+    trainable = sum(n for p, n in numel.items() if p.requires_grad)
+    logger.log(
+        {"params/trainable": trainable, "params/in_optimizer": engine.optimizer_numel(),
+         "params/frozen": sum(numel.values()) - trainable, "total_steps": total_steps},
+        state.step,
+    )
     window = MetricWindow()
     last: dict[str, float] = {}
     last_eval: dict[str, float] = {}

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Train under the DeepSpeed launcher (engine.kind=deepspeed); every argument after NPROC is a Hydra override.
+#
+#   one node:     launch/deepspeed.sh 8 cache_dir=runs/cache engine.zero_stage=2
+#   many nodes:   HOSTFILE=launch/hostfile launch/deepspeed.sh 8 engine.zero_stage=3
+#                 (run on the first host; the launcher reaches the others over ssh/pdsh; NPROC is per node)
+#   CPU:          launch/deepspeed.sh 2 ...      (DS_ACCELERATOR=cpu and gloo are set up when there is no GPU)
+#
+# Environment: HOSTFILE (MPI-style "host slots=N" lines, see launch/hostfile.example), MASTER_PORT (default
+# 29500), PYTHON (default: the repo's .venv, else python3).
+set -euo pipefail
+
+if [[ $# -lt 1 || ! "$1" =~ ^[0-9]+$ ]]; then
+  sed -n '2,10p' "$0" >&2
+  exit 2
+fi
+NPROC=$1
+shift
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+PYTHON=${PYTHON:-$([[ -x "$ROOT/.venv/bin/python" ]] && echo "$ROOT/.venv/bin/python" || echo python3)}
+DEEPSPEED=$(dirname "$PYTHON")/deepspeed
+[[ -x "$DEEPSPEED" ]] || DEEPSPEED=deepspeed
+
+# --no_local_rank: fledge reads LOCAL_RANK from the environment; a --local_rank argument would not be a valid
+# Hydra override.
+args=(--no_local_rank --master_port "${MASTER_PORT:-29500}")
+if [[ -n "${HOSTFILE:-}" ]]; then
+  args+=(--hostfile "$HOSTFILE" --num_gpus "$NPROC")
+else
+  args+=(--num_gpus "$NPROC")
+fi
+
+cd "$ROOT"
+if [[ $("$PYTHON" -c 'import torch; print(int(torch.cuda.is_available()))') == 0 ]]; then
+  export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
+fi
+exec "$DEEPSPEED" "${args[@]}" --module launch.cli train engine.kind=deepspeed "$@"

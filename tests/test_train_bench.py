@@ -1,0 +1,55 @@
+"""`fledge bench train`: it runs and reports, and its FLOP count agrees with torch's own FLOP counter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from launch.cli import run_stage
+from train.bench import TrainBenchConfig, counted_positions, synthetic_batch, train_step_flops
+from train.engine import TTTModule
+from train.ttt import TTTConfig
+from models.draft import Eagle3Draft
+
+TINY = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+            target_hidden_size=48, vocab_size=512, draft_vocab_size=128, seq_len=24, ttt_steps=3)
+
+
+def test_flop_count_matches_torch_flop_counter():
+    cfg = TrainBenchConfig(**TINY)
+    config = cfg.draft_config()
+    gen = torch.Generator().manual_seed(0)
+    draft = Eagle3Draft(config, seed=0)
+    head = torch.randn(cfg.vocab_size, cfg.target_hidden_size, generator=gen) * 0.02
+    head[cfg.draft_vocab_size :] *= 0.01
+    module = TTTModule(draft, head, TTTConfig(ttt_steps=cfg.ttt_steps))
+    batch = synthetic_batch(cfg, gen)
+    with FlopCounterMode(display=False) as counter:
+        loss, metrics = module(batch)
+        loss.backward()
+    counted = counted_positions(cfg)
+    assert metrics["tokens"] == counted[0]  # every position whose target exists is counted
+    # What runs as matrix products: the full T x T step-0 scores (the diagonal terms are element-wise).
+    executed = train_step_flops(config, cfg.batch_size, cfg.seq_len, cfg.ttt_steps, counted, causal=False)
+    assert counter.get_total_flops() == pytest.approx(executed["total"], rel=1e-9)
+    # The model-FLOP count used for MFU only differs by counting the causal half of the scores.
+    model = train_step_flops(config, cfg.batch_size, cfg.seq_len, cfg.ttt_steps, counted)
+    assert model["total"] < executed["total"]
+    assert model["total"] - model["attention"] == executed["total"] - executed["attention"]
+
+
+def test_bench_runs_and_reports(capsys):
+    out = run_stage("bench_train", [f"{k}={v}" for k, v in TINY.items()] + ["steps=1", "warmup=1", "matmul_size=256",
+                                                                           "skip_slow_dtypes=false"])
+    text = capsys.readouterr().out
+    assert "tokens/s" in text and "MFU" in text
+    assert [r["dtype"] for r in out["results"]] == ["fp32", "bf16"]
+    for r in out["results"]:
+        assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 2 and r["peak_tflops_per_s"] > 0
+        assert r["flops_per_step"]["total"] > r["flops_per_step"]["lm_head"] > 0
+
+
+def test_bench_config_is_checked():
+    with pytest.raises(ValueError, match="dtypes"):
+        TrainBenchConfig(dtypes=["fp16"])

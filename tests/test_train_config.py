@@ -1,0 +1,84 @@
+"""Training configs: every shipped YAML composes, misspelt and inconsistent settings fail with a clear message,
+the DeepSpeed JSON is generated from (or checked against) the typed config, and the LR schedule has its shape."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hydra.errors import ConfigCompositionException
+
+from launch.cli import compose_config
+from train.bench import TrainBenchConfig
+from train.config import TrainConfig, TrainJobConfig
+from train.engine import EngineConfig, deepspeed_config, warmup_cosine
+
+
+def test_shipped_configs_compose():
+    cfg = compose_config("train")
+    assert isinstance(cfg, TrainJobConfig) and isinstance(cfg.train, TrainConfig)
+    assert cfg.ttt.ttt_steps == 7 and cfg.ttt.step_decay == 0.8
+    assert cfg.engine.kind == "single" and cfg.log.wandb_mode == "offline" and cfg.train.dtype == "fp32"
+    assert str(cfg.checkpoint_dir) == "runs/train/checkpoints" and str(cfg.jsonl_path) == "runs/train/metrics.jsonl"
+    bench = compose_config("bench_train")
+    assert isinstance(bench, TrainBenchConfig)
+    assert (bench.hidden_size, bench.vocab_size, bench.draft_vocab_size) == (576, 49152, 32000)
+    debug = compose_config("train", ["train.max_steps=3", "engine.kind=deepspeed", "engine.zero_stage=3"])
+    assert debug.train.max_steps == 3 and debug.engine.zero_stage == 3
+
+
+def test_misspelt_override_fails_loudly():
+    with pytest.raises(ConfigCompositionException, match="lrr"):
+        compose_config("train", ["train.lrr=1"])
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["eval.every=10", "eval.holdout=0"], r"eval\.every=10 needs held-out data: set eval\.holdout"),
+        (["eval.holdout=5", "eval.cache_dir=/x"], r"eval\.holdout and eval\.cache_dir are alternatives"),
+        (["engine.deepspeed_config=/x.json"], r"engine\.deepspeed_config is set but engine\.kind='single'"),
+        (["train.min_lr=1.0"], r"train\.min_lr \(1\.0\) <= train\.lr"),
+        (["train.dtype=fp16"], r"train\.dtype must be one of"),
+        (["engine.kind=fsdp"], r"engine\.kind must be one of"),
+        (["engine.zero_stage=4"], r"engine\.zero_stage must be 1, 2 or 3"),
+        (["train.max_steps=0", "train.epochs=0"], r"train\.max_steps is 0, so train\.epochs must be > 0"),
+        (["checkpoint.keep_last=0"], r"checkpoint\.keep_last >= 1"),
+        (["log.wandb_mode=cloud"], r"log\.wandb_mode must be one of"),
+    ],
+)
+def test_inconsistent_settings_name_the_fields(overrides, message):
+    with pytest.raises(Exception, match=message):
+        compose_config("train", overrides)
+
+
+def test_generated_deepspeed_json():
+    train = TrainConfig(max_steps=10, micro_batch_size=3, grad_accum=2, clip_norm=0.7, dtype="bf16")
+    ds = deepspeed_config(train, EngineConfig(kind="deepspeed", zero_stage=3), world_size=4)
+    assert ds["train_micro_batch_size_per_gpu"] == 3 and ds["gradient_accumulation_steps"] == 2
+    assert ds["train_batch_size"] == 24 and ds["gradient_clipping"] == 0.7
+    assert ds["zero_optimization"] == {"stage": 3}
+    # bf16 is autocast with fp32 master weights, as in the other engines; no DeepSpeed optimizer / scheduler:
+    # the client torch AdamW and warmup-cosine are passed in.
+    assert ds["torch_autocast"]["enabled"] and not ds["bf16"]["enabled"]
+    assert "optimizer" not in ds and "scheduler" not in ds
+
+
+def test_user_deepspeed_json_is_checked_and_completed(tmp_path):
+    train = TrainConfig(max_steps=10, micro_batch_size=2, grad_accum=1)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 1, "reduce_bucket_size": 1000}}))
+    ds = deepspeed_config(train, EngineConfig(kind="deepspeed", deepspeed_config=str(path)), world_size=2)
+    assert ds["zero_optimization"]["reduce_bucket_size"] == 1000 and ds["train_batch_size"] == 4
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 8}))
+    with pytest.raises(ValueError, match=r"train_micro_batch_size_per_gpu=8 disagrees with the training config \(2"):
+        deepspeed_config(train, EngineConfig(kind="deepspeed", deepspeed_config=str(path)), world_size=2)
+
+
+def test_warmup_then_cosine_to_min_lr():
+    f = warmup_cosine(total_steps=110, warmup_steps=10, min_ratio=0.1)
+    assert [f(s) for s in (0, 4, 9)] == pytest.approx([0.1, 0.5, 1.0])
+    assert f(10) == pytest.approx(1.0) and f(60) == pytest.approx(0.55)
+    assert f(110) == pytest.approx(0.1) and f(500) == pytest.approx(0.1)
+    values = [f(s) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(values, values[1:]))
