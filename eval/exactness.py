@@ -208,3 +208,21 @@ def tiny_verifier(
     with torch.no_grad():
         model.lm_head.weight.mul_(peak)
     return model.eval().requires_grad_(False)
+
+
+def random_eagle_factory(verifier: nn.Module, aux_layer_ids: list[int], seed: int = 0, peak: float = 50.0):
+    """Drafter factory over a random-init EAGLE-3 draft whose vocabulary is half the verifier's (odd ids, mapped
+    through d2t): a deliberately poor draft that still exercises fc, the KV cache and the vocabulary mapping."""
+    from eval.drafters import EagleDrafter
+    from models.draft import Eagle3Config, Eagle3Draft
+
+    vocab = int(verifier.config.vocab_size)
+    config = Eagle3Config.from_verifier(verifier.config, draft_vocab_size=vocab // 2, aux_layer_ids=aux_layer_ids)
+    draft = Eagle3Draft(config, seed=seed)
+    draft.load_verifier_embedding(verifier.get_input_embeddings().weight.detach())
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[1::2] = True
+    draft.set_draft_vocab(torch.arange(1, vocab, 2)[: vocab // 2] - torch.arange(vocab // 2), t2d)
+    with torch.no_grad():
+        draft.lm_head.weight.mul_(peak)  # confident and wrong, so that rejections and residuals happen often
+    return lambda: EagleDrafter(draft)

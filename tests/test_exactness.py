@@ -12,10 +12,9 @@ import torch
 import eval.chain
 import eval.tree
 from eval.drafters import EagleDrafter, RandomDrafter
-from eval.exactness import chi2_critical, chi_square, exactness_check, tiny_verifier
+from eval.exactness import chi2_critical, chi_square, exactness_check, random_eagle_factory, tiny_verifier
 from eval.proposals import TreeShape, grow_tree, propose_chain_with
 from eval.sampling import SamplingParams, leviathan_accept, multi_candidate_accept, sample, target_probs
-from models.draft import Eagle3Config, Eagle3Draft
 
 VOCAB = 16
 PROMPT = torch.tensor([1, 5, 7, 2])
@@ -233,23 +232,10 @@ def test_target_probs_processing():
         SamplingParams(temperature=-1.0)
 
 
-def random_eagle_factory(verifier):
-    """EagleDrafter over a random-init draft whose vocabulary is half the verifier's (ids mapped through d2t)."""
-    config = Eagle3Config.from_verifier(verifier.config, draft_vocab_size=VOCAB // 2, aux_layer_ids=[0, 1, 1])
-    draft = Eagle3Draft(config, seed=0)
-    draft.load_verifier_embedding(verifier.get_input_embeddings().weight.detach())
-    t2d = torch.zeros(VOCAB, dtype=torch.bool)
-    t2d[1::2] = True
-    draft.set_draft_vocab(torch.arange(1, VOCAB, 2) - torch.arange(VOCAB // 2), t2d)
-    with torch.no_grad():
-        draft.lm_head.weight.mul_(50.0)
-    return lambda: EagleDrafter(draft)
-
-
 @pytest.mark.parametrize("method", ["chain", "tree"])
 def test_eagle_drafter_is_exact(verifier, method):
     shape = TreeShape(depth=3, top_k=3, total_tokens=8, sampled_children=True)
-    report = exactness_check(verifier, random_eagle_factory(verifier), method, 200, prompt_ids=PROMPT,
+    report = exactness_check(verifier, random_eagle_factory(verifier, [0, 1, 1]), method, 200, prompt_ids=PROMPT,
                              sampling=SAMPLING, tree_shape=shape, aux_layer_ids=[0, 1, 1])
     print(report.describe())
     assert report.passed, report.describe()

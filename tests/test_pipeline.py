@@ -82,3 +82,11 @@ def main_exit(argv: list[str]) -> int:
     with pytest.raises(SystemExit) as exc:
         main(argv)
     return int(exc.value.code or 0)
+
+
+def test_exactness_command_runs_the_real_loops(capsys):
+    from launch.cli import run_stage
+
+    assert run_stage("eval_exactness", ["n_runs=150", "methods=[tree]", "drafts=[eagle]", "top_p=0.9"])
+    out = capsys.readouterr().out
+    assert "exactness tree: PASS" in out and "joint 1-2" in out
