@@ -103,3 +103,23 @@ def test_launch_scripts(cache, single, tmp_path):
         # The 2-step run shares its first step (before any LR difference of its shorter cosine) with the 4-step one.
         assert losses(out)[:1] == pytest.approx(losses(single)[:1], rel=1e-5)
         assert (out / "draft" / "model.safetensors").is_file()
+
+
+def test_deepspeed_single_process_with_a_user_json(cache, tmp_path):
+    """No launcher at all (DeepSpeed gets a one-rank group), and the user's JSON with its own optimizer section:
+    DeepSpeed builds that optimizer and fledge's warmup-cosine still drives its learning rate."""
+    import json
+
+    ds_json = tmp_path / "ds.json"
+    ds_json.write_text(json.dumps({
+        "zero_optimization": {"stage": 1},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True, "weight_decay": 0.0}},
+    }))
+    out = tmp_path / "run"
+    run_cli(train_overrides(cache, out, **{**COMMON, "train.max_steps": 3, "train.warmup_steps": 2,
+                                           "engine.kind": "deepspeed", "engine.deepspeed_config": ds_json}))
+    records = [r for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
+    # The LR logged after step s is the schedule's multiplier for step s times the JSON's lr: warmup 2/2, then the
+    # cosine's start and its end (train.min_lr).
+    assert [r["lr"] for r in records] == pytest.approx([1e-2, 1e-2, 3e-5])
+    assert records[-1]["loss"] < records[0]["loss"]

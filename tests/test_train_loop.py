@@ -104,13 +104,9 @@ def test_load_draft_gives_the_final_weights(short_run, cache):
     assert torch.equal(draft.embed_tokens.weight, embed.float())
     assert not draft.embed_tokens.weight.requires_grad
     # A verifier with other weights would give the draft a wrong embedding: refused.
-    other = shared_root_of(cache) / "tiny-llama-0-8"
+    other = cache.parent / "tiny-llama-0-8"  # the random verifier the peaked one was made from
     with pytest.raises(ValueError, match="not the verifier"):
         load_draft(out, verifier_dir=other)
-
-
-def shared_root_of(cache: Path) -> Path:
-    return cache.parent
 
 
 def test_resume_refuses_a_breaking_change_and_allows_a_longer_run(short_run, cache, tmp_path):
@@ -160,3 +156,15 @@ def test_non_finite_step_is_skipped_and_counted(cache, tmp_path, monkeypatch):
     assert float(first(3)["step"]) == 2.0
     for s in (2, 3):
         assert all(torch.isfinite(v).all() for k, v in weights[s].items() if v.is_floating_point())
+
+
+def test_eval_on_a_second_cache(cache, tmp_path, smollm_tokenizer):
+    # Same verifier (same session root), another cache: evaluated whole, and nothing of the training cache held out.
+    other = build_cache(cache.parent, smollm_tokenizer, conversations=6)
+    out = tmp_path / "run"
+    result = run_stage(
+        "train", train_overrides(cache, out, **{"train.max_steps": 2, "eval.every": 2, "eval.cache_dir": other})
+    )
+    assert result.last_eval["eval/tokens"] > 0 and 0 <= result.last_eval["eval/acc_0"] <= 1
+    assert result.last_eval["eval/tau_sim"] >= 1
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "eval/loss" in r] == [2]

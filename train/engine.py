@@ -291,8 +291,16 @@ class DeepSpeedEngine:
         self.ds_config = deepspeed_config(train, cfg, info.world_size)
         self.zero_stage = int(self.ds_config.get("zero_optimization", {}).get("stage", 0))
         optimizer, scheduler = make_optimizer(module, train, total_steps)
-        client_optimizer = None if "optimizer" in self.ds_config else optimizer
-        client_scheduler = None if "scheduler" in self.ds_config else scheduler
+        client_optimizer: Any = optimizer
+        client_scheduler: Any = scheduler
+        if "optimizer" in self.ds_config:
+            # DeepSpeed builds the optimizer from the user's JSON; the warmup-cosine must drive that one, so it is
+            # handed over as a factory DeepSpeed calls with its optimizer.
+            client_optimizer = None
+            schedule = scheduler.lr_lambdas[0]
+            client_scheduler = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule)  # noqa: E731
+        if "scheduler" in self.ds_config:
+            client_scheduler = None
         params = [p for p in module.parameters() if p.requires_grad]
         self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=module.to(device),
