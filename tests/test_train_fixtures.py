@@ -22,7 +22,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 def peaked_verifier(root: Path, tokenizer, corpus: Path) -> Path:
     """A tiny random Llama (H=32, 8 layers) whose lm_head rows are zero except for the corpus's trained tokens
-    (those under the assistant loss mask, from which the draft vocabulary is chosen)."""
+    (those under the assistant loss mask, from which the draft vocabulary is chosen), scaled up 200x so that its
+    next-token distribution is peaked: near-ties of a flat teacher would cap the draft's top-1 agreement."""
     from transformers import AutoModelForCausalLM
 
     from data.template import tokenize_conversation

@@ -107,9 +107,7 @@ def make_optimizer(
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # foreach=False: the per-parameter loop is the same code on every engine and every machine, so runs are
-    # bitwise reproducible whatever the tensor count (the draft has ~13 tensors, the speed is the same).
-    optimizer = torch.optim.AdamW(groups, lr=train.lr, betas=tuple(train.betas), eps=train.eps, foreach=False)
+    optimizer = torch.optim.AdamW(groups, lr=train.lr, betas=tuple(train.betas), eps=train.eps)
     schedule = warmup_cosine(total_steps, train.warmup(total_steps), train.min_lr / train.lr)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
