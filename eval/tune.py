@@ -1,0 +1,224 @@
+"""The tuner's model: which speculation shape (chain of N, EAGLE-2 tree, or none) pays on this machine.
+
+Inputs are measurements, never assumptions: n-α per depth from one chain run at N_max, the draft's cost per token
+c (``cost_ratio`` of that run), and v(k), the verifier's cost of checking k tokens in one forward relative to one
+decoding step. On a GPU v(k) is flat for small k; on a CPU it grows with k, which is what makes long chains and big
+trees lose there. A round also pays a fixed overhead o (acceptance, cache rollback, feature capture) that a bare
+forward does not: o is read off the N_max run as its measured verification cost minus v(N_max + 1).
+
+    chain N:  E(N) = 1 + Σ_{k=1..N} Π_{i≤k} α_i tokens per round,  cost v(N+1) + o + N·c,  speed-up E / cost
+    tree (depth d, top_k, T tokens): E ≈ E_chain(d),  cost v(T+1) + o + d·c_tree
+
+For trees the chain's α is a conservative proxy: a greedy EAGLE-2 tree contains the draft's greedy path (the top-1
+child of each expanded node) whenever the reranking keeps it, so it accepts at least what that chain accepts; what
+the other branches add is not predicted, and the follow-up measurement shows it. c_tree is the measured time of a
+whole tree proposal divided by its d expansion steps. Plain decoding is always a candidate at exactly 1.0x.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from eval.proposals import Drafter, TreeShape
+from eval.sampling import SamplingParams
+from eval.verifier_state import VerifierState, clock
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Every cost in plain decoding steps (one verifier forward of one token = 1)."""
+
+    verify_steps: dict[int, float]
+    """k -> v(k), the measured cost of one verifier forward over k tokens; k = 1 is 1.0 by definition."""
+    draft_step: float
+    """c: drafting one chain token (draft forward, sampling, and its share of the per-round draft update)."""
+    round_overhead: float = 0.0
+    """o: per verification round, what the loop pays beyond the bare forward (acceptance, rollback, capture)."""
+
+    def verify(self, k: int) -> float:
+        """v(k), linearly interpolated between measured k (and extrapolated from the two largest beyond them)."""
+        if k in self.verify_steps:
+            return self.verify_steps[k]
+        ks = sorted(self.verify_steps)
+        if len(ks) == 1:
+            return self.verify_steps[ks[0]]
+        lo = max((x for x in ks if x < k), default=ks[0])
+        hi = min((x for x in ks if x > k), default=ks[-1])
+        if lo == hi:  # beyond the measured range: continue the last segment's slope
+            lo, hi = (ks[-2], ks[-1]) if k > ks[-1] else (ks[0], ks[1])
+        slope = (self.verify_steps[hi] - self.verify_steps[lo]) / (hi - lo)
+        return self.verify_steps[lo] + slope * (k - lo)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One speculation shape with its predicted tokens per round, round cost and speed-up."""
+
+    name: str
+    """``plain``, ``chain N=4`` or ``tree d=4 k=4 T=16``."""
+    method: str
+    """``plain``, ``chain`` or ``tree``."""
+    expected_tokens: float
+    """E, tokens committed per verifier round."""
+    round_cost: float
+    """Cost of one round in plain decoding steps."""
+    num_draft_tokens: int = 0
+    """N for chains; the depth for trees."""
+    tree: TreeShape | None = None
+
+    @property
+    def predicted_speedup(self) -> float:
+        return self.expected_tokens / self.round_cost
+
+
+PLAIN = Candidate(name="plain", method="plain", expected_tokens=1.0, round_cost=1.0)
+"""No speculation: one token per verifier step, by definition 1.0x."""
+
+
+def _alpha(n_alpha: Sequence[float | None], depth: int) -> float:
+    # A depth no round reached (None, or beyond the measured chain) counts as never accepted: the estimate stays
+    # on the side of what was seen.
+    if depth > len(n_alpha) or n_alpha[depth - 1] is None:
+        return 0.0
+    return float(n_alpha[depth - 1])
+
+
+def expected_tokens(n_alpha: Sequence[float | None], num_draft: int) -> float:
+    """E(N) = 1 + Σ_{k=1..N} Π_{i≤k} α_i: the verifier's own token plus each draft depth reached and accepted."""
+    total, reach = 1.0, 1.0
+    for depth in range(1, num_draft + 1):
+        reach *= _alpha(n_alpha, depth)
+        total += reach
+    return total
+
+
+def chain_candidate(n_alpha: Sequence[float | None], num_draft: int, cost: CostModel) -> Candidate:
+    round_cost = cost.verify(num_draft + 1) + cost.round_overhead + num_draft * cost.draft_step
+    return Candidate(name=f"chain N={num_draft}", method="chain", expected_tokens=expected_tokens(n_alpha, num_draft),
+                     round_cost=round_cost, num_draft_tokens=num_draft)
+
+
+def tree_candidate(
+    n_alpha: Sequence[float | None], shape: TreeShape, cost: CostModel, tree_draft_step: float
+) -> Candidate:
+    """``tree_draft_step``: c_tree, one batched expansion step of this shape in plain decoding steps."""
+    round_cost = cost.verify(shape.total_tokens + 1) + cost.round_overhead + shape.depth * tree_draft_step
+    return Candidate(
+        name=f"tree d={shape.depth} k={shape.top_k} T={shape.total_tokens}", method="tree",
+        expected_tokens=expected_tokens(n_alpha, shape.depth), round_cost=round_cost,
+        num_draft_tokens=shape.depth, tree=shape,
+    )
+
+
+def candidates(
+    n_alpha: Sequence[float | None],
+    cost: CostModel,
+    max_draft: int,
+    trees: Iterable[tuple[TreeShape, float]] = (),
+) -> list[Candidate]:
+    """Plain decoding, chains N = 1..max_draft, then each (tree shape, its c_tree)."""
+    out = [PLAIN]
+    out += [chain_candidate(n_alpha, n, cost) for n in range(1, max_draft + 1)]
+    out += [tree_candidate(n_alpha, shape, cost, c_tree) for shape, c_tree in trees]
+    return out
+
+
+def recommend(options: Sequence[Candidate]) -> Candidate:
+    """The highest predicted speed-up; on a tie the earlier (simpler) candidate, so plain wins a draw."""
+    if not options:
+        raise ValueError("no candidates to choose from")
+    best = options[0]
+    for option in options[1:]:
+        if option.predicted_speedup > best.predicted_speedup:
+            best = option
+    return best
+
+
+def overhead_from_run(measured_verify_cost: float, num_draft: int, cost: CostModel) -> float:
+    """o = the N-chain run's verification cost per round minus the bare forward v(N+1); never below 0."""
+    return max(0.0, measured_verify_cost - cost.verify(num_draft + 1))
+
+
+def format_table(options: Sequence[Candidate], chosen: Candidate | None = None) -> list[str]:
+    rows = [f"{'shape':<22} {'E tokens/round':>14} {'round cost':>11} {'predicted':>10}"]
+    for o in options:
+        mark = "  <- recommended" if chosen is not None and o == chosen else ""
+        rows.append(f"{o.name:<22} {o.expected_tokens:>14.3f} {o.round_cost:>11.3f} {o.predicted_speedup:>9.3f}x{mark}")
+    return rows
+
+
+# Measurement helpers: the only functions here that touch a model.
+
+
+@torch.inference_mode()
+def measure_verify_cost(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    ks: Iterable[int],
+    aux_layer_ids: Sequence[int] | None = None,
+    repeats: int = 5,
+) -> dict[int, float]:
+    """v(k) for each k: the fastest of ``repeats`` timed verifier forwards over k tokens appended to the prompt's KV
+    cache (then cropped back), divided by that of k = 1. With ``aux_layer_ids`` the capture hooks run as in the loop.
+
+    The lengths are timed round-robin and the minimum kept, because on a shared CPU a burst of other work lands on
+    whichever length is running: the minimum is the cost of the forward itself, and round-robin spreads the bursts.
+    A forward over more tokens never costs less, so the result is made non-decreasing in k. The k tokens are the
+    prompt's own tokens repeated: content does not change a forward's cost, only its length.
+    """
+    device = next(model.parameters()).device
+    ks = sorted(set(ks) | {1})
+    best = {k: float("inf") for k in ks}
+    with VerifierState(model, aux_layer_ids) as state:
+        state.prefill(prompt_ids)
+        length = state.length
+        pool = prompt_ids.to(device).repeat(max(ks) // max(prompt_ids.numel(), 1) + 1)
+        for attempt in range(repeats + 1):
+            for k in ks:
+                start = clock(device)
+                state.forward(pool[:k])
+                seconds = clock(device) - start
+                state.crop(length)
+                if attempt:  # the first pass is untimed: first calls pay for allocation
+                    best[k] = min(best[k], seconds)
+    out, floor = {}, 0.0
+    for k in ks:
+        floor = max(floor, best[k] / best[1])
+        out[k] = floor
+    return out
+
+
+@torch.inference_mode()
+def measure_tree_draft_seconds(
+    model: torch.nn.Module,
+    drafter: Drafter,
+    prompt_ids: torch.Tensor,
+    shape: TreeShape,
+    aux_layer_ids: Sequence[int] | None,
+    repeats: int = 3,
+) -> float:
+    """Seconds of one greedy tree proposal of ``shape`` after the drafter has read the prompt (the fastest of
+    ``repeats``, as for v(k))."""
+    device = next(model.parameters()).device
+    with VerifierState(model, aux_layer_ids if drafter.needs_aux else None) as state:
+        aux = state.prefill(prompt_ids)
+    drafter.start(prompt_ids.to(device), aux)
+    sampling = SamplingParams()
+    drafter.propose_tree(shape, sampling, None)  # untimed: first-call allocation
+    # Each proposal leaves speculative entries behind; advancing by nothing would need aux, so restart instead.
+    seconds = []
+    for _ in range(repeats):
+        drafter.start(prompt_ids.to(device), aux)
+        start = clock(device)
+        drafter.propose_tree(shape, sampling, None)
+        seconds.append(clock(device) - start)
+    return min(seconds)
+
+
+__all__ = [
+    "PLAIN", "Candidate", "CostModel", "candidates", "chain_candidate", "expected_tokens", "format_table",
+    "measure_tree_draft_seconds", "measure_verify_cost", "overhead_from_run", "recommend", "tree_candidate",
+]

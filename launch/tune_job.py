@@ -1,0 +1,178 @@
+"""``fledge tune``: measure a draft once at a long chain, predict every chain length and tree shape, recommend the
+fastest (plain decoding included), then measure the recommendation on the same prompts.
+
+    fledge tune draft=runs/train
+    fledge tune draft=/tmp/qs/train max_prompts=2 max_new_tokens=32
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from data.sources import load_prompts
+from eval.proposals import TreeShape
+from eval.runner import EvalConfig, encode_prompt, evaluate, load_eagle_drafter
+from eval.tune import (
+    PLAIN, Candidate, CostModel, candidates, format_table, measure_tree_draft_seconds, measure_verify_cost,
+    overhead_from_run, recommend,
+)
+from models.verifier import VerifierConfig, load_verifier, parse_dtype
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TreeCandidateConfig:
+    depth: int
+    top_k: int
+    total_tokens: int
+    """Draft tokens the verifier checks per round (plus the root)."""
+
+
+@dataclass
+class TuneJobConfig:
+    draft: str = "runs/train"
+    """A ``fledge train`` output dir, one of its step folders, or an exported serving checkpoint."""
+    verifier: VerifierConfig = field(default_factory=VerifierConfig)
+    prompts: list[str] = field(default_factory=lambda: ["mtbench"])
+    """Prompt sources (as in ``fledge eval``); their prompts are pooled, the first ``max_prompts`` used."""
+    max_prompts: int = 8
+    max_new_tokens: int = 64
+    n_max: int = 8
+    """The chain length of the measurement run: α is measured at depths 1..n_max, chains up to it predicted."""
+    tree_shapes: list[TreeCandidateConfig] = field(default_factory=lambda: [
+        TreeCandidateConfig(3, 2, 4), TreeCandidateConfig(4, 4, 16), TreeCandidateConfig(6, 8, 48),
+    ])
+    """EAGLE-2 tree shapes to predict; the last is EAGLE-2's default."""
+    dtype: str = "auto"
+    """The verifier's dtype (overrides ``verifier.dtype``; ``auto``: bf16 where fast, else fp32)."""
+    verify_repeats: int = 5
+    """Timed repeats per k when measuring v(k) (the median is kept)."""
+    warmup_tokens: int = 8
+    measure_plain: bool = True
+    """When plain decoding is recommended, still measure the best speculative shape so its prediction is checked."""
+    out_dir: str | None = "runs/tune"
+    """Where tune.json and the two eval reports go; None writes nothing."""
+
+    def __post_init__(self) -> None:
+        if self.n_max < 1:
+            raise ValueError(f"n_max must be >= 1, got {self.n_max}")
+        if self.max_prompts < 1 or self.max_new_tokens < 1:
+            raise ValueError(f"max_prompts and max_new_tokens must be >= 1, got {self.max_prompts}, "
+                             f"{self.max_new_tokens}")
+        self.shapes()
+
+    def shapes(self) -> list[TreeShape]:
+        return [TreeShape(depth=t.depth, top_k=t.top_k, total_tokens=t.total_tokens) for t in self.tree_shapes]
+
+
+def _eval_config(cfg: TuneJobConfig, dtype: str, out: str | None, **shape: Any) -> EvalConfig:
+    return EvalConfig(max_new_tokens=cfg.max_new_tokens, max_prompts=cfg.max_prompts, dtype=dtype,
+                      warmup_tokens=cfg.warmup_tokens, out_dir=out, **shape)
+
+
+def _shape_kwargs(choice: Candidate) -> dict[str, Any]:
+    if choice.method == "tree":
+        assert choice.tree is not None
+        return dict(method="tree", tree_depth=choice.tree.depth, tree_top_k=choice.tree.top_k,
+                    tree_total_tokens=choice.tree.total_tokens)
+    return dict(method="chain", num_draft_tokens=choice.num_draft_tokens)
+
+
+def _candidate_json(c: Candidate) -> dict[str, Any]:
+    return {"name": c.name, "method": c.method, "num_draft_tokens": c.num_draft_tokens,
+            "tree": dataclasses.asdict(c.tree) if c.tree else None, "expected_tokens": c.expected_tokens,
+            "round_cost": c.round_cost, "predicted_speedup": c.predicted_speedup}
+
+
+def run(cfg: TuneJobConfig) -> dict[str, Any]:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg.verifier.dtype = cfg.dtype
+    dtype = str(parse_dtype(cfg.dtype, device)).removeprefix("torch.")
+    verifier = load_verifier(cfg.verifier, device)
+    drafter = load_eagle_drafter(cfg.draft, verifier)
+    prompts = [p for source in cfg.prompts for p in load_prompts(source)][: cfg.max_prompts]
+    if not prompts:
+        raise ValueError(f"no prompts in {cfg.prompts}")
+    out = Path(cfg.out_dir) if cfg.out_dir is not None else None
+
+    # 1. One chain run at n_max: α per depth, c, and the verification cost per round of the real loop.
+    measure_cfg = _eval_config(cfg, dtype, str(out / "measure") if out else None, method="chain",
+                               num_draft_tokens=cfg.n_max)
+    measured = evaluate(verifier, {"tune": prompts}, {"eagle3": drafter}, measure_cfg)["sets"]["tune"]
+    entry = measured["drafters"]["eagle3"]
+    step_seconds = measured["baseline"]["step_seconds"]
+
+    # 2. v(k) on a real prompt's KV cache, for every k a candidate verifies.
+    shapes = cfg.shapes()
+    prompt_ids = encode_prompt(verifier.tokenizer, prompts[0])
+    ks = list(range(1, cfg.n_max + 2)) + [s.total_tokens + 1 for s in shapes]
+    verify_steps = measure_verify_cost(verifier.model, prompt_ids, ks, verifier.aux_layer_ids, cfg.verify_repeats)
+    bare = CostModel(verify_steps=verify_steps, draft_step=entry["cost_ratio"])
+    overhead = overhead_from_run(entry["verify_cost_in_steps"], cfg.n_max, bare)
+    cost = dataclasses.replace(bare, round_overhead=overhead)
+
+    # 3. c_tree per shape: a whole tree proposal timed, per expansion step, in baseline steps.
+    trees = []
+    for shape in shapes:
+        seconds = measure_tree_draft_seconds(verifier.model, drafter, prompt_ids, shape, verifier.aux_layer_ids)
+        trees.append((shape, seconds / shape.depth / step_seconds if step_seconds else 0.0))
+
+    options = candidates(entry["n_alpha"], cost, cfg.n_max, trees)
+    choice = recommend(options)
+    alphas = " ".join("-" if a is None else f"{a:.2f}" for a in entry["n_alpha"])
+    lines = [
+        "",
+        f"[tune] measured at chain N={cfg.n_max} on {len(prompts)} prompts ({dtype}): n-α {alphas}",
+        f"[tune] c = {cost.draft_step:.3f} steps per draft token, round overhead o = {overhead:.3f} steps, "
+        f"v(k) = " + " ".join(f"{k}:{v:.2f}" for k, v in sorted(verify_steps.items())),
+        f"[tune] c_tree = " + ", ".join(f"{s.depth}x{s.top_k}x{s.total_tokens}: {c:.3f}" for s, c in trees),
+        *format_table(options, choice),
+        f"[tune] recommended: {choice.name} (predicted {choice.predicted_speedup:.2f}x)",
+    ]
+    print("\n".join(lines), flush=True)
+
+    # 4. Measure the recommendation (or, when plain wins, the best speculative shape) on the same prompts.
+    check = choice
+    if choice is PLAIN and cfg.measure_plain:
+        check = recommend([o for o in options if o is not PLAIN])
+    verification: dict[str, Any] | None = None
+    if check is not PLAIN:
+        check_cfg = _eval_config(cfg, dtype, str(out / "check") if out else None, **_shape_kwargs(check))
+        checked = evaluate(verifier, {"tune": prompts}, {"eagle3": drafter}, check_cfg)["sets"]["tune"]
+        d = checked["drafters"]["eagle3"]
+        verification = {"shape": check.name, "predicted_speedup": check.predicted_speedup,
+                        "measured_speedup": d["speedup"], "tau": d["tau"],
+                        "predicted_tokens_per_round": check.expected_tokens,
+                        "measured_round_cost": d["verify_cost_in_steps"] + d["draft_cost_in_steps"],
+                        "predicted_round_cost": check.round_cost,
+                        "greedy_match_rate": d.get("greedy_match_rate")}
+        print(f"[tune] {check.name}: predicted {check.predicted_speedup:.2f}x, measured {d['speedup']:.2f}x; "
+              f"tokens/round predicted {check.expected_tokens:.2f}, measured τ {d['tau']:.2f}; round cost predicted "
+              f"{check.round_cost:.2f}, measured {verification['measured_round_cost']:.2f} steps", flush=True)
+    result = {
+        "config": dataclasses.asdict(cfg),
+        "dtype": dtype,
+        "draft": str(cfg.draft),
+        "measurement": {"n_max": cfg.n_max, "n_alpha": entry["n_alpha"], "tau": entry["tau"],
+                        "speedup": entry["speedup"], "cost_ratio": entry["cost_ratio"],
+                        "verify_cost_in_steps": entry["verify_cost_in_steps"], "step_seconds": step_seconds},
+        "cost_model": {"verify_steps": {str(k): v for k, v in sorted(verify_steps.items())},
+                       "draft_step": cost.draft_step, "round_overhead": overhead,
+                       "tree_draft_step": {f"{s.depth}x{s.top_k}x{s.total_tokens}": c for s, c in trees}},
+        "candidates": [_candidate_json(o) for o in options],
+        "recommended": _candidate_json(choice),
+        "verification": verification,
+    }
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "tune.json").write_text(json.dumps(result, indent=2))
+        result["file"] = str(out / "tune.json")
+    return result

@@ -1,0 +1,131 @@
+"""The tuner: its model against hand-computed values, and ``fledge tune`` end to end on a tiny verifier."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from eval.proposals import TreeShape
+from eval.tune import (
+    PLAIN, CostModel, candidates, chain_candidate, expected_tokens, measure_verify_cost, overhead_from_run, recommend,
+    tree_candidate,
+)
+
+# α_1 = 0.5, α_2 = 0.4, depth 3 never reached.
+N_ALPHA = [0.5, 0.4, None]
+CPU_LIKE = CostModel(verify_steps={1: 1.0, 2: 1.2, 3: 1.5, 4: 1.9}, draft_step=0.1, round_overhead=0.2)
+GPU_LIKE = CostModel(verify_steps={1: 1.0, 8: 1.0}, draft_step=0.0)
+
+
+def test_expected_tokens_by_hand():
+    assert expected_tokens(N_ALPHA, 0) == 1.0
+    assert expected_tokens(N_ALPHA, 1) == pytest.approx(1.5)
+    assert expected_tokens(N_ALPHA, 2) == pytest.approx(1 + 0.5 + 0.5 * 0.4)
+    # An unmeasured depth (None, or past the measured chain) adds nothing.
+    assert expected_tokens(N_ALPHA, 3) == pytest.approx(1.7)
+    assert expected_tokens(N_ALPHA, 6) == pytest.approx(1.7)
+    assert expected_tokens([1.0, 1.0, 1.0], 3) == 4.0
+
+
+def test_verify_cost_interpolates_and_extrapolates():
+    cost = CostModel(verify_steps={1: 1.0, 3: 1.4, 5: 2.0}, draft_step=0.0)
+    assert cost.verify(3) == 1.4
+    assert cost.verify(2) == pytest.approx(1.2)
+    assert cost.verify(4) == pytest.approx(1.7)
+    assert cost.verify(7) == pytest.approx(2.6)  # the last segment's slope, 0.3 per token
+    assert GPU_LIKE.verify(5) == 1.0
+
+
+def test_chain_and_tree_speedup_by_hand():
+    one = chain_candidate(N_ALPHA, 1, CPU_LIKE)
+    assert one.round_cost == pytest.approx(1.2 + 0.2 + 0.1)  # v(2) + o + 1·c
+    assert one.predicted_speedup == pytest.approx(1.0)
+    two = chain_candidate(N_ALPHA, 2, CPU_LIKE)
+    assert two.round_cost == pytest.approx(1.5 + 0.2 + 0.2)
+    assert two.predicted_speedup == pytest.approx(1.7 / 1.9)
+    tree = tree_candidate(N_ALPHA, TreeShape(depth=2, top_k=2, total_tokens=4), CPU_LIKE, tree_draft_step=0.3)
+    # v(5) extrapolated from v(3)=1.5, v(4)=1.9 is 2.3; the tree's acceptance is the chain's E(2).
+    assert tree.round_cost == pytest.approx(2.3 + 0.2 + 2 * 0.3)
+    assert tree.expected_tokens == pytest.approx(1.7)
+    assert tree.name == "tree d=2 k=2 T=4"
+
+
+def test_recommend_no_speculation_when_nothing_beats_plain():
+    options = candidates(N_ALPHA, CPU_LIKE, max_draft=3)
+    assert [o.name for o in options] == ["plain", "chain N=1", "chain N=2", "chain N=3"]
+    # chain N=1 ties plain at exactly 1.0x: the simpler one wins the draw.
+    assert recommend(options) is PLAIN
+
+
+def test_recommend_argmax_when_verification_is_flat():
+    trees = [(TreeShape(depth=2, top_k=2, total_tokens=4), 0.0), (TreeShape(depth=3, top_k=2, total_tokens=6), 0.0)]
+    options = candidates(N_ALPHA, GPU_LIKE, max_draft=3, trees=trees)
+    speedups = {o.name: o.predicted_speedup for o in options}
+    assert speedups["chain N=1"] == pytest.approx(1.5)
+    assert speedups["chain N=2"] == pytest.approx(1.7)
+    # N=3, and both trees, predict 1.7 too; the first (shortest chain) of the tied best is kept.
+    assert recommend(options).name == "chain N=2"
+    with pytest.raises(ValueError):
+        recommend([])
+
+
+def test_overhead_is_what_the_loop_pays_beyond_the_forward():
+    assert overhead_from_run(2.0, 2, CPU_LIKE) == pytest.approx(0.5)  # 2.0 - v(3)
+    assert overhead_from_run(1.0, 2, CPU_LIKE) == 0.0
+
+
+def test_measure_verify_cost_on_a_tiny_verifier(tiny_verifier_dir):
+    from models.verifier import VerifierConfig, load_verifier
+
+    verifier = load_verifier(VerifierConfig(name_or_path=str(tiny_verifier_dir), dtype="float32"))
+    v = measure_verify_cost(verifier.model, torch.arange(3, 20), [2, 5, 12], verifier.aux_layer_ids, repeats=1)
+    assert sorted(v) == [1, 2, 5, 12] and v[1] == 1.0
+    assert v[1] <= v[2] <= v[5] <= v[12]  # more tokens never cost less
+
+
+def test_tune_command_end_to_end(tiny_verifier_dir, tmp_path, capsys):
+    from launch.cli import compose_config, run_stage
+    from models.draft import Eagle3Config, Eagle3Draft
+    from models.verifier import VerifierConfig, load_verifier
+    from train.checkpoint import write_final_draft
+
+    verifier = load_verifier(VerifierConfig(name_or_path=str(tiny_verifier_dir), dtype="float32"))
+    config = Eagle3Config.from_verifier(verifier.model.config, draft_vocab_size=len(verifier.tokenizer),
+                                        aux_layer_ids=verifier.aux_layer_ids)
+    draft = Eagle3Draft(config, seed=1)
+    draft.load_verifier_embedding(verifier.model.get_input_embeddings().weight.detach())
+    write_final_draft(tmp_path / "run", draft.trainable_state_dict(), config,
+                      {"verifier": {"path": str(tiny_verifier_dir)}})
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "turns": [f"the a of {i} to and"]}) + "\n" for i in range(2)))
+    overrides = [
+        f"draft={tmp_path / 'run'}", f"verifier.name_or_path={tiny_verifier_dir}", "dtype=float32",
+        f"prompts=[{prompts}]", "max_prompts=1", "max_new_tokens=5", "n_max=3", "verify_repeats=1",
+        "warmup_tokens=0", "tree_shapes=[{depth: 2, top_k: 2, total_tokens: 3}]", f"out_dir={tmp_path / 'tune'}",
+    ]
+    with pytest.raises(Exception, match="n_maxx"):
+        compose_config("tune", ["n_maxx=3"])
+    result = run_stage("tune", overrides)
+
+    saved = json.loads((tmp_path / "tune" / "tune.json").read_text())
+    assert saved["recommended"] == result["recommended"]
+    names = [c["name"] for c in saved["candidates"]]
+    assert names == ["plain", "chain N=1", "chain N=2", "chain N=3", "tree d=2 k=2 T=3"]
+    best = max(c["predicted_speedup"] for c in saved["candidates"])
+    assert saved["recommended"]["predicted_speedup"] == best
+    assert len(saved["measurement"]["n_alpha"]) == 3
+    assert set(saved["cost_model"]["verify_steps"]) == {"1", "2", "3", "4"}
+    # The model reproduces the measured run's verification cost at N_max (o absorbs what the bare forward misses).
+    m, cm = saved["measurement"], saved["cost_model"]
+    chain3 = next(c for c in saved["candidates"] if c["name"] == "chain N=3")
+    assert chain3["round_cost"] >= m["verify_cost_in_steps"] + 3 * m["cost_ratio"] - 1e-9
+    assert chain3["round_cost"] == pytest.approx(
+        cm["verify_steps"]["4"] + cm["round_overhead"] + 3 * cm["draft_step"])
+    # Something speculative was measured (the recommendation, or the best shape when plain won), losslessly.
+    check = saved["verification"]
+    assert check is not None and check["measured_speedup"] > 0 and check["greedy_match_rate"] == 1.0
+    assert check["shape"] != "plain"
+    out = capsys.readouterr().out
+    assert "[tune] recommended:" in out and "predicted" in out and "measured" in out
