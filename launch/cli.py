@@ -42,6 +42,9 @@ STAGES: dict[str, Stage] = {
     "train": Stage("train.config:TrainJobConfig", "train.loop:run", "train an EAGLE-3 draft"),
     "bench_train": Stage("train.bench:TrainBenchConfig", "train.bench:run", "training throughput and MFU"),
     "eval": Stage("launch.eval_job:EvalJobConfig", "launch.eval_job:run", "τ, n-α and speed-up through the real loop"),
+    "tune": Stage(
+        "launch.tune_job:TuneJobConfig", "launch.tune_job:run", "recommend N or a tree from measured α and cost, then measure it"
+    ),
     "eval_exactness": Stage(
         "launch.exactness_job:ExactnessJobConfig", "launch.exactness_job:run", "speculative sampling = verifier sampling"
     ),
