@@ -3,8 +3,10 @@
 Inputs are measurements, never assumptions: n-α per depth from one chain run at N_max, the draft's cost per token
 c (``cost_ratio`` of that run), and v(k), the verifier's cost of checking k tokens in one forward relative to one
 decoding step. On a GPU v(k) is flat for small k; on a CPU it grows with k, which is what makes long chains and big
-trees lose there. A round also pays a fixed overhead o (acceptance, cache rollback, feature capture) that a bare
-forward does not: o is read off the N_max run as its measured verification cost minus v(N_max + 1).
+trees lose there. v(k) times the forward with the loop's capture hooks and cache rollback. A round may also pay a
+fixed overhead o beyond that (acceptance bookkeeping): it can be read off the N_max run as its measured
+verification cost minus v(N_max + 1), but that run's mean also carries whatever load the machine had, so the job
+only adds it on request (``fit_round_overhead``).
 
     chain N:  E(N) = 1 + Σ_{k=1..N} Π_{i≤k} α_i tokens per round,  cost v(N+1) + o + N·c,  speed-up E / cost
     tree (depth d, top_k, T tokens): E ≈ E_chain(d),  cost v(T+1) + o + d·c_tree
