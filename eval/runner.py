@@ -299,7 +299,7 @@ def plot_acceptance(report: dict, path: Path) -> None:
             axes[2].plot(range(len(entry["tau_by_length"])), entry["tau_by_length"], marker="o", label=label)
     for ax, title, ylabel in zip(
         axes,
-        ("n-α: P(depth n accepted | all before)", "cumulative: P(≥ n accepted)", "τ had rounds drafted only N"),
+        ("n-α: P(depth n accepted | all before)", "cumulative: P(≥ n accepted)", "τ if every round drafted at most N"),
         ("n-α", "fraction of verifier calls", "τ (tokens per verifier call)"),
     ):
         ax.set_title(title)
