@@ -18,6 +18,18 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny matrices gain nothing from threads, and on a shared CPU every OpenMP barrier can wait a scheduler tick.
+
+    Test files of tiny-model unit tests use it for every test: ``pytestmark = pytest.mark.usefixtures("one_thread")``.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny_hf_config(arch: str, vocab_size: int, layers: int = 8, hidden: int = 32):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 

@@ -30,13 +30,7 @@ SERVING_KEYS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matrices gain nothing from threads, and on a shared CPU every OpenMP barrier can wait a scheduler tick."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_config(**over) -> Eagle3Config:

@@ -21,12 +21,7 @@ PROMPT = torch.tensor([1, 5, 7, 2])
 RUNS = 300
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # --- the chi-square machinery -------------------------------------------------------------------------------

@@ -26,13 +26,7 @@ from models.verifier import VerifierConfig, load_verifier
 VOCAB = 256
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny matrices: a second thread only adds contention on a shared 2-core machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])

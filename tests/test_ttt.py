@@ -16,13 +16,7 @@ from train.ttt import TTTConfig, shift_left, teacher_targets, ttt_forward, ttt_u
 TOL = dict(rtol=1e-9, atol=1e-10)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matrices gain nothing from threads, and on a shared CPU every OpenMP barrier can wait a scheduler tick."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def dense_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
