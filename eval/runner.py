@@ -13,6 +13,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -266,6 +267,20 @@ def _drafter_summary(
 
 def _first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def report_table(report: dict[str, Any]) -> list[str]:
+    """One row per (prompt set, drafter): τ, n-α, speed-up against plain greedy decoding."""
+    rows = ["prompt set  drafter          τ      n-α (depth 1..)                 speed-up  greedy match"]
+    for set_name, entry in report.get("sets", {}).items():
+        for name, d in entry.get("drafters", {}).items():
+            alphas = " ".join("  - " if a is None else f"{a:.2f}" for a in (d.get("n_alpha") or [])[:6])
+            match = d.get("greedy_match_rate")
+            rows.append(
+                f"{set_name:<11} {name:<15} {d.get('tau', float('nan')):5.2f}  {alphas:<31} "
+                f"{d.get('speedup', float('nan')):6.2f}x   {'' if match is None else f'{match:.0%}'}"
+            )
+    return rows
 
 
 def _one_line(entry: dict) -> str:

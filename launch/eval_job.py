@@ -17,7 +17,7 @@ import torch
 
 from eval.drafters import PromptLookupDrafter
 from data.sources import load_prompts
-from eval.runner import EvalConfig, evaluate, load_eagle_drafter
+from eval.runner import EvalConfig, evaluate, load_eagle_drafter, report_table
 from models.verifier import VerifierConfig, load_verifier, parse_dtype
 
 log = logging.getLogger(__name__)
@@ -69,9 +69,7 @@ def run(cfg: EvalJobConfig) -> dict[str, Any]:
     if cfg.eval.out_dir is not None:
         (Path(cfg.eval.out_dir) / "report.json").write_text(json.dumps(report, indent=2))
     _log_wandb(cfg, report)
-    from launch.quickstart import format_report_table
-
-    print("\n".join(["", *format_report_table(report)]))
+    print("\n".join(["", *report_table(report)]))
     return report
 
 

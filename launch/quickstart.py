@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eval.runner import report_table
+
 log = logging.getLogger(__name__)
 
 STAGE_ORDER = ("cache", "train", "eval", "export")
@@ -82,7 +84,7 @@ def summary(run_dir: Path, timings: dict[str, Any]) -> str:
     report_path = run_dir / "eval" / "report.json"
     if report_path.is_file():
         report = json.loads(report_path.read_text())
-        lines += ["", *format_report_table(report)]
+        lines += ["", *report_table(report)]
     for label, path in (
         ("acceptance curves", run_dir / "eval" / "acceptance.png"),
         ("wandb offline run", run_dir / "train" / "wandb"),
@@ -91,20 +93,6 @@ def summary(run_dir: Path, timings: dict[str, Any]) -> str:
         if path.exists():
             lines.append(f"{label + ':':<22}{path}")
     return "\n".join(lines)
-
-
-def format_report_table(report: dict[str, Any]) -> list[str]:
-    """One row per (prompt set, drafter): τ, n-α, speed-up against plain greedy decoding."""
-    rows = ["prompt set  drafter          τ      n-α (depth 1..)                 speed-up  greedy match"]
-    for set_name, entry in report.get("sets", {}).items():
-        for name, d in entry.get("drafters", {}).items():
-            alphas = " ".join("  - " if a is None else f"{a:.2f}" for a in (d.get("n_alpha") or [])[:6])
-            match = d.get("greedy_match_rate")
-            rows.append(
-                f"{set_name:<11} {name:<15} {d.get('tau', float('nan')):5.2f}  {alphas:<31} "
-                f"{d.get('speedup', float('nan')):6.2f}x   {'' if match is None else f'{match:.0%}'}"
-            )
-    return rows
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], dict[str, list[str]]]:

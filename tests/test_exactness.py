@@ -11,7 +11,7 @@ import torch
 
 import eval.chain
 import eval.tree
-from eval.drafters import EagleDrafter, RandomDrafter
+from eval.drafters import RandomDrafter
 from eval.exactness import chi2_critical, chi_square, exactness_check, random_eagle_factory, tiny_verifier
 from eval.proposals import TreeShape, grow_tree, propose_chain_with
 from eval.sampling import SamplingParams, leviathan_accept, multi_candidate_accept, sample, target_probs
