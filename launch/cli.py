@@ -35,6 +35,9 @@ class Stage:
 
 # Sub-command -> stage. Two-word commands (``bench cache``) are keyed by their joined name.
 STAGES: dict[str, Stage] = {
+    "regenerate": Stage(
+        "data.regenerate:RegenerateJobConfig", "data.regenerate:run", "answer the training prompts with the verifier"
+    ),
     "cache": Stage("data.cache_job:CacheJobConfig", "data.cache_job:run", "cache the verifier's hidden states"),
     "bench_cache": Stage(
         "data.cache_bench:CacheBenchConfig", "data.cache_bench:run", "cache throughput against a bare forward"

@@ -1,0 +1,402 @@
+"""``fledge regenerate``: answer the training prompts with the verifier itself, as EAGLE-3 trains.
+
+A draft is judged on how often it predicts what the *verifier* would write, but ShareGPT's answers were written by
+another model. Regeneration keeps the user turns of each conversation and replaces every assistant turn with the
+verifier's own answer, turn by turn (turn t is generated with the verifier's answers to turns < t in its context).
+The result is a JSONL file of OpenAI-form records that ``fledge cache data.source=<out_dir>/conversations.jsonl``
+reads like any other source.
+
+Conversations are length-sorted and split into parts of ``batch_size``; each part is generated as one left-padded
+batch per turn and written atomically to ``parts/part-XXXXX.jsonl``. A rerun skips complete parts, so a killed run
+resumes, and under ``torchrun`` rank r generates the parts ``p % world_size == r``. Rank 0 then merges the parts, in
+the source's order, into ``conversations.jsonl`` and writes ``manifest.json``. ``plan.json`` binds the folder to its
+inputs (verifier weights, prompts, sampling settings): a different input is refused, or replaced with
+``overwrite=true``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+from data.cache import atomic_write_text
+from data.sources import Conversation, DataConfig, load_conversations
+from data.template import end_of_turn_token, render
+from launch.dist import DistInfo, barrier, cleanup, init_distributed, pick_device
+from models.verifier import Verifier, VerifierConfig, load_verifier, resolve_verifier_dir
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+PART_DIR = "parts"
+
+
+class RegenerateError(RuntimeError):
+    """The output folder belongs to other inputs, or the inputs cannot be regenerated."""
+
+
+@dataclass
+class RegenerateOptions:
+    out_dir: str = "runs/regen"
+    """Holds plan.json, parts/, and at the end conversations.jsonl and manifest.json."""
+    batch_size: int = 16
+    """Conversations generated together (one left-padded batch per turn); also the unit of resumption."""
+    max_new_tokens: int = 512
+    """Per assistant turn. An answer cut at this length ends its conversation (later turns would follow a cut
+    answer); it is kept and counted as 'length'."""
+    turns: str = "all"
+    """'all' answers every user turn in order; 'first' keeps only the first exchange."""
+    temperature: float = 0.0
+    """0 is greedy (what greedy speculative decoding accepts); > 0 samples, with top_p."""
+    top_p: float = 1.0
+    seed: int = 0
+    """Sampling seed; part p uses seed + p, so a resumed run draws what an uninterrupted one would."""
+    device: str = "auto"
+    overwrite: bool = False
+    """Replace an output folder that was made for other inputs (otherwise that is refused)."""
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"regenerate.batch_size must be >= 1, got {self.batch_size}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"regenerate.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.turns not in ("all", "first"):
+            raise ValueError(f"regenerate.turns must be 'all' or 'first', got {self.turns!r}")
+        if self.temperature < 0:
+            raise ValueError(f"regenerate.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"regenerate.top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class RegenerateJobConfig:
+    verifier: VerifierConfig = field(default_factory=VerifierConfig)
+    data: DataConfig = field(default_factory=lambda: DataConfig(require_assistant=False))
+    """The prompts. ``data.max_length`` caps a conversation's tokens, prompts and answers together, as in the cache:
+    an answer stops there (finish 'length'), and a user turn whose prompt already reaches it is not answered."""
+    regenerate: RegenerateOptions = field(default_factory=RegenerateOptions)
+
+
+@dataclass
+class Prompted:
+    """One conversation to answer: its index in the source, optional system turn and user turns."""
+
+    index: int
+    system: str | None
+    questions: list[str]
+
+
+def to_prompts(conversations: list[Conversation], turns: str) -> list[Prompted]:
+    out = []
+    for i, conv in enumerate(conversations):
+        system = conv[0]["content"] if conv and conv[0]["role"] == "system" else None
+        questions = [m["content"] for m in conv if m["role"] == "user"]
+        if turns == "first":
+            questions = questions[:1]
+        if questions:
+            out.append(Prompted(i, system, questions))
+    return out
+
+
+def stop_token_ids(verifier: Verifier, template_kwargs: dict[str, Any]) -> list[int]:
+    """The tokens that end an answer: the chat template's end-of-turn token, the tokenizer's and model's eos."""
+    tok = verifier.tokenizer
+    ids: set[int] = set()
+    if tok.eos_token_id is not None:
+        ids.add(int(tok.eos_token_id))
+    gen_eos = getattr(getattr(verifier.model, "generation_config", None), "eos_token_id", None)
+    if gen_eos is not None:
+        ids.update(int(i) for i in (gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos]))
+    eot = end_of_turn_token(tok, template_kwargs)
+    eot_id = tok.convert_tokens_to_ids(eot)
+    if isinstance(eot_id, int) and eot_id != tok.unk_token_id:
+        ids.add(eot_id)
+    if not ids:
+        raise RegenerateError("the verifier's tokenizer has no eos token and its chat template no end-of-turn token")
+    return sorted(ids)
+
+
+def _history(p: Prompted, answers: list[str]) -> Conversation:
+    conv: Conversation = [{"role": "system", "content": p.system}] if p.system is not None else []
+    for q, a in zip(p.questions, answers):
+        conv += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+    return conv
+
+
+@torch.no_grad()
+def generate_batch(
+    verifier: Verifier,
+    contexts: list[list[int]],
+    limits: list[int],
+    opts: RegenerateOptions,
+    stop_ids: list[int],
+    generator: torch.Generator | None = None,
+) -> list[tuple[list[int], bool]]:
+    """Continue each context (token ids) until a stop token or its limit of new tokens, in one left-padded batch.
+
+    Returns, per context, the new tokens (without the stop token) and whether a stop token ended it. A plain
+    KV-cached loop rather than ``generate()``, with its own seeded generator so that a resumed part samples exactly
+    what an uninterrupted run would have.
+    """
+    model = verifier.model
+    device = verifier.device
+    tok = verifier.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else stop_ids[0]
+    width = max(len(c) for c in contexts)
+    ids = torch.full((len(contexts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(contexts), width), dtype=torch.long)
+    for r, c in enumerate(contexts):
+        ids[r, width - len(c) :] = torch.tensor(c)
+        mask[r, width - len(c) :] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    position = (mask.cumsum(-1) - 1).clamp_min(0)
+    stops = torch.tensor(stop_ids, device=device)
+    done = torch.zeros(len(contexts), dtype=torch.bool, device=device)
+    stopped = torch.zeros_like(done)
+    limit = torch.tensor(limits, device=device)
+    new: list[torch.Tensor] = []
+    cache = DynamicCache()
+    out = model(input_ids=ids, attention_mask=mask, position_ids=position, cache=cache, use_cache=True, logits_to_keep=1)
+    logits = out.logits[:, -1]
+    last_pos = position[:, -1]
+    for step in range(max(limits)):
+        if opts.temperature == 0:
+            nxt = logits.argmax(-1)
+        else:
+            probs = torch.softmax(logits.float() / opts.temperature, -1)
+            if opts.top_p < 1:
+                sorted_p, order = probs.sort(-1, descending=True)
+                keep = sorted_p.cumsum(-1) - sorted_p < opts.top_p
+                probs = torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
+            nxt = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(device)
+        is_stop = torch.isin(nxt, stops) & ~done
+        stopped |= is_stop
+        new.append(torch.where(done, torch.full_like(nxt, -1), nxt))
+        done |= is_stop | (step + 1 >= limit)
+        if bool(done.all()):
+            break
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        last_pos = last_pos + 1
+        out = model(
+            input_ids=nxt[:, None], attention_mask=mask, position_ids=last_pos[:, None], cache=cache, use_cache=True
+        )
+        logits = out.logits[:, -1]
+    rows = torch.stack(new, dim=1).tolist() if new else [[] for _ in contexts]
+    result = []
+    for r, row in enumerate(rows):
+        toks = [t for t in row if t >= 0]
+        if stopped[r]:
+            toks = toks[:-1]  # the stop token itself is the chat template's to write
+        result.append((toks, bool(stopped[r])))
+    return result
+
+
+def regenerate_part(
+    verifier: Verifier,
+    prompts: list[Prompted],
+    cfg: RegenerateJobConfig,
+    stop_ids: list[int],
+    seed: int,
+    on_tokens=None,
+) -> list[dict[str, Any]]:
+    """Answer every user turn of these conversations, turn by turn; one record per conversation."""
+    opts, kwargs = cfg.regenerate, cfg.data.chat_template_kwargs
+    tok = verifier.tokenizer
+    answers: list[list[str]] = [[] for _ in prompts]
+    finish: list[list[str]] = [[] for _ in prompts]
+    open_ = [True] * len(prompts)
+    generator = torch.Generator().manual_seed(seed)
+    for t in range(max(len(p.questions) for p in prompts)):
+        rows, contexts, limits = [], [], []
+        for r, p in enumerate(prompts):
+            if not open_[r] or t >= len(p.questions):
+                continue
+            conv = _history(p, answers[r]) + [{"role": "user", "content": p.questions[t]}]
+            ids = tok(render(tok, conv, True, kwargs), add_special_tokens=False)["input_ids"]
+            if len(ids) >= cfg.data.max_length - 1:
+                open_[r] = False
+                finish[r].append("prompt too long")
+                continue
+            rows.append(r)
+            contexts.append(ids)
+            # No answer runs past data.max_length: the cache would cut it there anyway.
+            limits.append(min(opts.max_new_tokens, cfg.data.max_length - len(ids)))
+        if not rows:
+            break
+        answered = generate_batch(verifier, contexts, limits, opts, stop_ids, generator)
+        for r, (toks, stopped) in zip(rows, answered):
+            answers[r].append(tok.decode(toks, skip_special_tokens=True).strip())
+            finish[r].append("stop" if stopped else "length")
+            if not stopped:
+                open_[r] = False
+            if on_tokens is not None:
+                on_tokens(len(toks))
+    records = []
+    for p, a, f in zip(prompts, answers, finish):
+        records.append({"id": p.index, "messages": _history(p, a), "finish": f, "unanswered": len(p.questions) - len(a)})
+    return records
+
+
+def part_name(p: int) -> str:
+    return f"part-{p:05d}.jsonl"
+
+
+def plan_parts(verifier: Verifier, prompts: list[Prompted], batch_size: int, kwargs: dict[str, Any]) -> list[list[int]]:
+    """Length-sorted groups of ``batch_size`` conversations (by their first prompt), so a batch pads little."""
+    tok = verifier.tokenizer
+
+    def first_len(p: Prompted) -> int:
+        conv = ([{"role": "system", "content": p.system}] if p.system is not None else []) + [
+            {"role": "user", "content": p.questions[0]}
+        ]
+        return len(render(tok, conv, True, kwargs))  # characters: a cheap, deterministic proxy for tokens
+
+    order = sorted(range(len(prompts)), key=lambda i: (first_len(prompts[i]), i))
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def _plan_record(cfg: RegenerateJobConfig, verifier: Verifier, prompts: list[Prompted]) -> dict[str, Any]:
+    h = hashlib.sha256()
+    for p in prompts:
+        h.update(json.dumps([p.index, p.system, p.questions]).encode())
+    opts = {k: v for k, v in asdict(cfg.regenerate).items() if k not in ("out_dir", "device", "overwrite")}
+    return {
+        "format_version": FORMAT_VERSION,
+        "verifier": verifier.name,
+        "verifier_fingerprint": verifier.fingerprint,
+        "data": asdict(cfg.data),
+        "options": opts,
+        "prompts_sha256": h.hexdigest(),
+        "num_conversations": len(prompts),
+    }
+
+
+def claim(out_dir: Path, record: dict[str, Any], overwrite: bool) -> None:
+    plan = out_dir / "plan.json"
+    if plan.is_file():
+        old = json.loads(plan.read_text())
+        if old == record:
+            return
+        if not overwrite:
+            diff = sorted(k for k in set(old) | set(record) if old.get(k) != record.get(k))
+            raise RegenerateError(
+                f"{out_dir} holds answers for other inputs (differs in {', '.join(diff)}); "
+                "use another regenerate.out_dir or regenerate.overwrite=true"
+            )
+        log.warning("%s was made for other inputs; overwriting", out_dir)
+        shutil.rmtree(out_dir)
+    (out_dir / PART_DIR).mkdir(parents=True, exist_ok=True)
+    atomic_write_text(plan, json.dumps(record, indent=1))
+
+
+def merge(out_dir: Path, num_parts: int, record: dict[str, Any], seconds: float) -> dict[str, Any]:
+    rows = []
+    for p in range(num_parts):
+        with open(out_dir / PART_DIR / part_name(p)) as fh:
+            rows += [json.loads(line) for line in fh]
+    rows.sort(key=lambda r: r["id"])
+    finish = Counter(f for r in rows for f in r["finish"])
+    kept = [r for r in rows if any(m["role"] == "assistant" for m in r["messages"])]
+    atomic_write_text(out_dir / "conversations.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in kept))
+    manifest = {
+        **record,
+        "conversations_written": len(kept),
+        "conversations_without_answer": len(rows) - len(kept),
+        "answers": sum(finish[k] for k in ("stop", "length")),
+        "finish": dict(finish),
+        "seconds_this_run": round(seconds, 1),
+    }
+    atomic_write_text(out_dir / "manifest.json", json.dumps(manifest, indent=1))
+    return manifest
+
+
+def run(cfg: RegenerateJobConfig) -> Path:
+    info = init_distributed(cfg.regenerate.device)
+    try:
+        return _run(cfg, info)
+    finally:
+        cleanup()
+
+
+def _run(cfg: RegenerateJobConfig, info: DistInfo) -> Path:
+    opts = cfg.regenerate
+    out_dir = Path(opts.out_dir)
+    device = pick_device(opts.device, info)
+    if info.is_main:
+        resolve_verifier_dir(cfg.verifier)  # convert a GGUF once, before the other ranks look for it
+    barrier()
+    verifier = load_verifier(cfg.verifier, device)
+    conversations, _ = load_conversations(cfg.data)  # logs its own report
+    prompts = to_prompts(conversations, opts.turns)
+    if not prompts:
+        raise RegenerateError(f"no user turns to answer in {cfg.data.source}")
+    record = _plan_record(cfg, verifier, prompts)
+    manifest_path = out_dir / "manifest.json"
+    if manifest_path.is_file() and (out_dir / "conversations.jsonl").is_file():
+        manifest = json.loads(manifest_path.read_text())
+        if all(manifest.get(k) == v for k, v in record.items()):
+            if info.is_main:
+                log.info("%s is complete for these inputs; nothing to do", out_dir)
+            return out_dir / "conversations.jsonl"
+    if info.is_main:
+        claim(out_dir, record, opts.overwrite)
+        for stale in (out_dir / PART_DIR).glob("*.tmp-*"):
+            stale.unlink()
+    barrier()
+
+    kwargs = cfg.data.chat_template_kwargs
+    stop_ids = stop_token_ids(verifier, kwargs)
+    parts = plan_parts(verifier, prompts, opts.batch_size, kwargs)
+    mine = [p for p in range(len(parts)) if p % info.world_size == info.rank]
+    todo = [p for p in mine if not (out_dir / PART_DIR / part_name(p)).is_file()]
+    if len(todo) < len(mine):
+        log.info("rank %d: %d of %d parts already generated", info.rank, len(mine) - len(todo), len(mine))
+    start = time.perf_counter()
+    produced = 0
+    bar = tqdm(total=sum(len(parts[p]) for p in todo), unit="conv", desc=f"regenerate[{info.rank}]", disable=not info.is_main)
+
+    def count(n: int) -> None:
+        nonlocal produced
+        produced += n
+        bar.set_postfix_str(f"{produced / max(1e-9, time.perf_counter() - start):.0f} tok/s", refresh=False)
+
+    try:
+        for p in todo:
+            records = regenerate_part(verifier, [prompts[i] for i in parts[p]], cfg, stop_ids, opts.seed + p, count)
+            atomic_write_text(
+                out_dir / PART_DIR / part_name(p), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+            )
+            bar.update(len(parts[p]))
+            if os.environ.get("FLEDGE_FAULT") == f"regenerate_after_part_{p}":
+                os._exit(137)  # fault injection for the resume test: die like kill -9 right after this part
+    finally:
+        bar.close()
+    seconds = time.perf_counter() - start
+    barrier()
+    out = out_dir / "conversations.jsonl"
+    if info.is_main:
+        manifest = merge(out_dir, len(parts), record, seconds)
+        log.info(
+            "regenerated %d conversations (%d answers: %s) into %s; %d new tokens in %.0f s on this rank (%.0f tok/s)",
+            manifest["conversations_written"],
+            manifest["answers"],
+            ", ".join(f"{k} {v}" for k, v in sorted(manifest["finish"].items())),
+            out,
+            produced,
+            seconds,
+            produced / max(seconds, 1e-9),
+        )
+    barrier()
+    return out
