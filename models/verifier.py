@@ -72,7 +72,8 @@ def default_home() -> str:
 @dataclass
 class VerifierConfig:
     name_or_path: str = DEFAULT_VERIFIER
-    """A local Hugging Face model directory, a ``.gguf`` file, or an embedded name (``smollm2-135m-instruct``)."""
+    """A local Hugging Face model directory, a ``.gguf`` file, a Hub id (``meta-llama/Llama-3.1-8B-Instruct``: taken from
+    the Hugging Face cache, downloaded when it is not there), or an embedded name (``smollm2-135m-instruct``)."""
     dtype: str = "auto"
     """Compute dtype of the verifier's forward passes: float32, bfloat16, float16, or auto (bf16 on GPUs and on CPUs
     with AMX / AVX512-BF16, where it is ~5x faster; fp32 on CPUs without them, where bf16 is far slower)."""
@@ -181,10 +182,39 @@ def resolve_verifier_dir(cfg: VerifierConfig) -> Path:
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"verifier directory {path} has no config.json")
         return path
+    if _looks_like_hub_id(name):
+        return hub_snapshot(name)
     raise FileNotFoundError(
-        f"verifier {name!r}: not a directory, a .gguf file, nor an embedded verifier ({sorted(EMBEDDED_VERIFIERS)}); "
-        "models cannot be downloaded from a hub on this machine"
+        f"verifier {name!r}: not a directory, a .gguf file, a Hugging Face Hub id (org/name), nor an embedded "
+        f"verifier ({sorted(EMBEDDED_VERIFIERS)})"
     )
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "~")) and not name.endswith(".gguf")
+
+
+# What a verifier needs from a Hub repository: config, tokenizer and safetensors weights (not .bin / .pth copies).
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py"]
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """A Hub model's local snapshot: from the Hugging Face cache ($HF_HOME / $HF_HUB_CACHE) when it is there (also
+    with HF_HUB_OFFLINE=1), downloaded into it otherwise. All ranks of a job may call this: the Hub client locks."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        path = Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS))
+    except LocalEntryNotFoundError as err:
+        raise FileNotFoundError(
+            f"verifier {repo_id!r} is not in the Hugging Face cache and cannot be downloaded here ({err}); "
+            "download it on a machine with a network (huggingface-cli download), or give a local directory"
+        ) from err
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"Hub snapshot {path} of {repo_id!r} has no config.json")
+    return path
 
 
 def weight_fingerprint(model_dir: Path) -> str:

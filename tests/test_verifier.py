@@ -103,3 +103,26 @@ def test_embedded_default_converts_once_and_reloads_fast(tmp_path):
     # The de-quantised weights still make a working model: its greedy continuation is text, not noise.
     out = verifier.model.generate(ids, max_new_tokens=8, do_sample=False)
     assert len(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()) > 0
+
+
+def test_a_hub_id_resolves_to_its_snapshot_in_the_hf_cache_offline(tmp_path, monkeypatch, tiny_verifier_dir):
+    import shutil
+
+    import huggingface_hub.constants as hf
+
+    from models.verifier import resolve_verifier_dir
+
+    monkeypatch.setattr(hf, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(hf, "HF_HUB_OFFLINE", True)
+    with pytest.raises(FileNotFoundError, match="not in the Hugging Face cache"):
+        resolve_verifier_dir(VerifierConfig(name_or_path="some-org/tiny-llama"))
+    # the layout `huggingface-cli download some-org/tiny-llama` leaves behind
+    repo = tmp_path / "hub" / "models--some-org--tiny-llama"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(tiny_verifier_dir, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    path = resolve_verifier_dir(VerifierConfig(name_or_path="some-org/tiny-llama"))
+    assert path == repo / "snapshots" / commit
+    with pytest.raises(FileNotFoundError, match="nor an embedded"):
+        resolve_verifier_dir(VerifierConfig(name_or_path="no/such/dir"))
