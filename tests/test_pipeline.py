@@ -24,6 +24,50 @@ def test_every_shipped_config_composes(name):
     assert type(cfg).__name__.endswith("Config")
 
 
+PRESETS = sorted(p.stem for p in (CONF_DIR / "preset").glob("*.yaml") if p.stem != "none")
+PRESET_STAGES = sorted(p.name for p in (CONF_DIR / "preset").iterdir() if p.is_dir())
+
+
+def test_presets_cover_the_real_jobs():
+    assert PRESETS == ["llama3.1-8b-instruct", "llama3.3-70b-instruct", "qwen3-8b"]
+    assert PRESET_STAGES == ["cache", "eval", "export", "regenerate", "train", "tune"]
+    for stage in PRESET_STAGES:
+        assert sorted(p.stem for p in (CONF_DIR / "preset" / stage).glob("*.yaml")) == PRESETS
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_composes_for_every_stage_with_the_published_hyperparameters(preset, monkeypatch):
+    monkeypatch.setenv("FLEDGE_RUNS", "/shared/runs")
+    cfg = {stage: compose_config(stage, [f"preset={preset}"]) for stage in PRESET_STAGES}
+    model = {"llama3.1-8b-instruct": "meta-llama/Llama-3.1-8B-Instruct", "qwen3-8b": "Qwen/Qwen3-8B",
+             "llama3.3-70b-instruct": "meta-llama/Llama-3.3-70B-Instruct"}[preset]
+    for stage in ("regenerate", "cache", "eval", "tune"):
+        assert cfg[stage].verifier.name_or_path == model
+    max_length = 2048 if preset == "qwen3-8b" else 4096
+    assert cfg["regenerate"].data.max_length == cfg["cache"].data.max_length == max_length
+    train = cfg["train"]
+    assert (train.train.lr, train.train.epochs, train.train.micro_batch_size, train.ttt.ttt_steps) == (1e-4, 10, 1, 7)
+    assert train.engine.kind == "deepspeed"
+    assert train.engine.zero_stage == (3 if "70b" in preset else 2)
+    assert train.train.dtype == "bf16" and cfg["cache"].cache.draft_vocab_size == 32000
+    thinking = cfg["cache"].data.chat_template_kwargs
+    assert thinking == cfg["regenerate"].data.chat_template_kwargs == ({"enable_thinking": False} if "qwen3" in preset else {})
+    # the stages hand their outputs on: regenerate -> cache -> train -> eval -> export, all under $FLEDGE_RUNS
+    root = f"/shared/runs/{preset}"
+    assert cfg["regenerate"].regenerate.out_dir == f"{root}/regen"
+    assert cfg["cache"].data.source == f"{root}/regen/conversations.jsonl"
+    assert train.cache_dir == cfg["cache"].cache.dir == f"{root}/cache"
+    assert cfg["eval"].draft == cfg["tune"].draft == cfg["export"].checkpoint == train.output_dir == f"{root}/train"
+    assert cfg["export"].report == f"{cfg['eval'].eval.out_dir}/report.json"
+    # a command-line override still wins over the preset
+    assert compose_config("train", [f"preset={preset}", "train.lr=3e-5"]).train.lr == 3e-5
+
+
+def test_an_unknown_preset_names_the_choices():
+    with pytest.raises(Exception, match="qwen3-8b"):
+        compose_config("train", ["preset=qwen3-9b"])
+
+
 def test_misspelt_override_fails_loudly():
     with pytest.raises(ConfigCompositionException):
         compose_config("cache", ["cache.dirr=x"])
