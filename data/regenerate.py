@@ -163,10 +163,10 @@ def generate_batch(
     ids, mask = ids.to(device), mask.to(device)
     position = (mask.cumsum(-1) - 1).clamp_min(0)
     stops = torch.tensor(stop_ids, device=device)
-    done = torch.zeros(len(contexts), dtype=torch.bool, device=device)
-    stopped = torch.zeros_like(done)
     limit = torch.tensor(limits, device=device)
-    new: list[torch.Tensor] = []
+    tokens: list[list[int]] = [[] for _ in contexts]
+    stopped = [False] * len(contexts)
+    active = list(range(len(contexts)))  # original row of each batch row; finished rows leave the batch
     cache = DynamicCache()
     out = model(input_ids=ids, attention_mask=mask, position_ids=position, cache=cache, use_cache=True, logits_to_keep=1)
     logits = out.logits[:, -1]
@@ -181,26 +181,31 @@ def generate_batch(
                 keep = sorted_p.cumsum(-1) - sorted_p < opts.top_p
                 probs = torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
             nxt = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(device)
-        is_stop = torch.isin(nxt, stops) & ~done
-        stopped |= is_stop
-        new.append(torch.where(done, torch.full_like(nxt, -1), nxt))
-        done |= is_stop | (step + 1 >= limit)
-        if bool(done.all()):
+        is_stop = torch.isin(nxt, stops)
+        finished = is_stop | (step + 1 >= limit)
+        keep_rows = []
+        for b, (row, t, s_, f) in enumerate(zip(active, nxt.tolist(), is_stop.tolist(), finished.tolist())):
+            if s_:
+                stopped[row] = True  # the stop token itself is the chat template's to write
+            else:
+                tokens[row].append(t)
+            if not f:
+                keep_rows.append(b)
+        if not keep_rows:
             break
+        if len(keep_rows) < len(active):
+            # Drop the finished rows from the batch and its KV cache: the rest decode faster.
+            sel = torch.tensor(keep_rows, device=device)
+            cache.batch_select_indices(sel)
+            active = [active[b] for b in keep_rows]
+            nxt, mask, last_pos, limit = nxt[sel], mask[sel], last_pos[sel], limit[sel]
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         last_pos = last_pos + 1
         out = model(
             input_ids=nxt[:, None], attention_mask=mask, position_ids=last_pos[:, None], cache=cache, use_cache=True
         )
         logits = out.logits[:, -1]
-    rows = torch.stack(new, dim=1).tolist() if new else [[] for _ in contexts]
-    result = []
-    for r, row in enumerate(rows):
-        toks = [t for t in row if t >= 0]
-        if stopped[r]:
-            toks = toks[:-1]  # the stop token itself is the chat template's to write
-        result.append((toks, bool(stopped[r])))
-    return result
+    return list(zip(tokens, stopped))
 
 
 def regenerate_part(
@@ -370,7 +375,7 @@ def _run(cfg: RegenerateJobConfig, info: DistInfo) -> Path:
     def count(n: int) -> None:
         nonlocal produced
         produced += n
-        bar.set_postfix_str(f"{produced / max(1e-9, time.perf_counter() - start):.0f} tok/s", refresh=False)
+        bar.set_postfix_str(f"{produced:,} tokens, {produced / max(1e-9, time.perf_counter() - start):.0f} tok/s")
 
     try:
         for p in todo:
