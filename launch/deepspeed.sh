@@ -7,7 +7,8 @@
 #   CPU:          launch/deepspeed.sh 2 ...      (DS_ACCELERATOR=cpu and gloo are set up when there is no GPU)
 #
 # Environment: HOSTFILE (MPI-style "host slots=N" lines, see launch/hostfile.example), MASTER_PORT (default
-# 29500), PYTHON (default: the repo's .venv, else python3).
+# 29500), PYTHON (default: the repo's .venv, else python3). With a hostfile, FLEDGE_*, WANDB_*, HF_* and
+# TRANSFORMERS_* variables reach every host.
 set -euo pipefail
 
 if [[ $# -lt 1 || ! "$1" =~ ^[0-9]+$ ]]; then
@@ -27,6 +28,13 @@ DEEPSPEED=$(dirname "$PYTHON")/deepspeed
 args=(--no_local_rank --master_port "${MASTER_PORT:-29500}")
 if [[ -n "${HOSTFILE:-}" ]]; then
   args+=(--hostfile "$HOSTFILE" --num_gpus "$NPROC")
+  # The launcher passes only a few variables to the other hosts; hand it fledge's (FLEDGE_RUNS places the presets'
+  # folders, FLEDGE_HOME the converted verifiers), wandb's and Hugging Face's through a DeepSpeed env file.
+  if [[ -z "${DS_ENV_FILE:-}" ]]; then
+    DS_ENV_FILE=$(mktemp "${TMPDIR:-/tmp}/fledge-deepspeed-env.XXXXXX")
+    env | grep -E '^(FLEDGE_|WANDB_|HF_|TRANSFORMERS_|OMP_NUM_THREADS=)' > "$DS_ENV_FILE" || true
+    export DS_ENV_FILE
+  fi
 else
   args+=(--num_gpus "$NPROC")
 fi

@@ -85,3 +85,22 @@ def test_sbatch_refuses_an_unknown_stage_and_a_run_outside_slurm(tmp_path):
     proc = subprocess.run(["bash", str(REPO / "launch" / "slurm.sbatch")], env={**env, "FLEDGE_ROOT": str(REPO)},
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "sbatch" in proc.stderr
+
+
+def test_deepspeed_launcher_with_a_hostfile_hands_fledge_variables_to_every_host(tmp_path):
+    """launch/deepspeed.sh: the launcher command, and the env file that carries FLEDGE_RUNS to the other hosts."""
+    log = tmp_path / "calls.log"
+    python = _script(tmp_path / "python", "echo 1\n")  # "CUDA is there"
+    _script(tmp_path / "deepspeed", f'echo "$*" >> {log}\ncat "$DS_ENV_FILE" >> {log}\n')
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node-0 slots=8\nnode-1 slots=8\n")
+    env = {**os.environ, "PYTHON": str(python), "HOSTFILE": str(hostfile), "FLEDGE_RUNS": "/shared/runs",
+           "WANDB_MODE": "online"}
+    env.pop("DS_ENV_FILE", None)
+    proc = subprocess.run(["bash", str(REPO / "launch" / "deepspeed.sh"), "8", "preset=llama3.3-70b-instruct"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = log.read_text().splitlines()
+    assert lines[0] == (f"--no_local_rank --master_port 29500 --hostfile {hostfile} --num_gpus 8 --module launch.cli "
+                        "train engine.kind=deepspeed preset=llama3.3-70b-instruct")
+    assert "FLEDGE_RUNS=/shared/runs" in lines[1:] and "WANDB_MODE=online" in lines[1:]
