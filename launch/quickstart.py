@@ -1,8 +1,9 @@
-"""``fledge quickstart``: cache -> train -> eval -> export on the embedded default verifier, on a CPU.
+"""``fledge quickstart``: [regenerate ->] cache -> train -> eval -> export on the embedded default verifier, on a CPU.
 
 Each stage is the ordinary stage command run with the overrides listed in ``conf/quickstart.yaml``; a stage that
-finished with the same overrides is skipped on a rerun (a stage that was interrupted resumes on its own: the cache
-keeps its complete shards and training restarts from its last checkpoint).
+finished with the same overrides is skipped on a rerun (a stage that was interrupted resumes on its own: regeneration
+keeps its complete parts, the cache its complete shards, and training restarts from its last checkpoint). With
+``regenerate`` among the stages, the cache reads the verifier's answers instead of the source's.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from eval.runner import report_table
 
 log = logging.getLogger(__name__)
 
-STAGE_ORDER = ("cache", "train", "eval", "export")
+STAGE_ORDER = ("regenerate", "cache", "train", "eval", "export")
 
 
 @dataclass
@@ -28,6 +29,8 @@ class QuickstartConfig:
     """Everything the quickstart writes goes under this folder."""
     stages: list[str] = field(default_factory=lambda: list(STAGE_ORDER))
     """Which stages to run, in pipeline order."""
+    regenerate: list[str] = field(default_factory=list)
+    """Overrides for ``fledge regenerate``; its output becomes the cache's ``data.source``."""
     cache: list[str] = field(default_factory=list)
     """Overrides for ``fledge cache``."""
     train: list[str] = field(default_factory=list)
@@ -50,7 +53,7 @@ def _stamp(overrides: list[str]) -> str:
 
 
 def run_pipeline(cfg: QuickstartConfig) -> dict[str, Any]:
-    from launch.cli import run_stage
+    from launch.cli import compose_config, run_stage
 
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -60,6 +63,9 @@ def run_pipeline(cfg: QuickstartConfig) -> dict[str, Any]:
         if stage not in cfg.stages:
             continue
         overrides = list(getattr(cfg, stage))
+        if stage == "cache" and "regenerate" in cfg.stages:
+            regen = compose_config("regenerate", cfg.regenerate)
+            overrides.append(f"data.source={Path(regen.regenerate.out_dir) / 'conversations.jsonl'}")
         done = run_dir / f".done-{stage}.json"
         if not cfg.force and done.is_file() and json.loads(done.read_text()).get("stamp") == _stamp(overrides):
             record = json.loads(done.read_text())
@@ -78,9 +84,9 @@ def run_pipeline(cfg: QuickstartConfig) -> dict[str, Any]:
 
 def summary(run_dir: Path, timings: dict[str, Any]) -> str:
     lines = ["", "fledge quickstart — summary", ""]
-    lines.append("stage     seconds")
+    lines.append("stage       seconds")
     for stage, t in timings.items():
-        lines.append(f"{stage:<9} {t['seconds']:7.0f}{'  (done before)' if t['skipped'] else ''}")
+        lines.append(f"{stage:<11} {t['seconds']:7.0f}{'  (done before)' if t['skipped'] else ''}")
     report_path = run_dir / "eval" / "report.json"
     if report_path.is_file():
         report = json.loads(report_path.read_text())

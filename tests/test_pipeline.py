@@ -98,6 +98,8 @@ def test_quickstart_pipeline_on_a_tiny_verifier(tmp_path, tiny_verifier_dir):
     verifier = f"verifier.name_or_path={tiny_verifier_dir}"
     cfg = QuickstartConfig(
         run_dir=str(run),
+        regenerate=[verifier, "verifier.dtype=float32", f"data.source={source}", "data.max_length=128",
+                    f"regenerate.out_dir={run}/regen", "regenerate.max_new_tokens=24", "regenerate.device=cpu"],
         cache=[f"cache.dir={run}/cache", verifier, "verifier.dtype=float32", f"data.source={source}",
                "data.max_length=128", "cache.draft_vocab_size=128"],
         train=[f"cache_dir={run}/cache", f"output_dir={run}/train", "train.max_steps=3", "eval.holdout=2",
@@ -109,6 +111,10 @@ def test_quickstart_pipeline_on_a_tiny_verifier(tmp_path, tiny_verifier_dir):
     )
     first = run_pipeline(cfg)
     assert not any(t["skipped"] for t in first["timings"].values())
+    assert list(first["timings"]) == ["regenerate", "cache", "train", "eval", "export"]
+    # the cache was built on the verifier's answers, not on the source's
+    cache_manifest = json.loads((run / "cache" / "manifest.json").read_text())
+    assert json.dumps(cache_manifest).count(f"{run}/regen/conversations.jsonl") >= 1
     report = json.loads((run / "eval" / "report.json").read_text())
     entry = report["sets"]["prompts"]["drafters"]["eagle3"]
     assert entry["greedy_match_rate"] == 1.0  # lossless whatever the draft's quality
