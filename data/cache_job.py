@@ -183,7 +183,7 @@ def cache_shard(verifier: Verifier, samples: list[Tokenized], batches: list[list
         ids, attn = _batch_tensors(samples, batch, pad_id)
         device = verifier.device
         captured = forward_hidden(verifier.model, ids.to(device), attn.to(device), verifier.aux_layer_ids)
-        aux = torch.cat(captured.aux, dim=-1).to("cpu", storage)
+        aux = torch.cat([a.to("cpu", storage) for a in captured.aux], dim=-1)  # layers may sit on several GPUs
         final = captured.final.to("cpu", storage)
         for row, i in enumerate(batch):
             n = len(samples[i].input_ids)

@@ -180,7 +180,8 @@ def generate_batch(
                 sorted_p, order = probs.sort(-1, descending=True)
                 keep = sorted_p.cumsum(-1) - sorted_p < opts.top_p
                 probs = torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
-            nxt = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(device)
+            nxt = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1)
+        nxt = nxt.to(device)  # the head may sit on another GPU than the embedding (verifier.device_map)
         is_stop = torch.isin(nxt, stops)
         finished = is_stop | (step + 1 >= limit)
         keep_rows = []

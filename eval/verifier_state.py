@@ -71,7 +71,7 @@ class VerifierState:
 
     def __init__(self, model: nn.Module, aux_layer_ids: list[int] | None = None):
         self.model = model
-        self.device = next(model.parameters()).device
+        self.device = model.get_input_embeddings().weight.device
         # No config: every layer is a plain DynamicLayer that keeps all positions, which ``keep`` relies on; a
         # sliding window is then enforced by the masks alone (the model's own masks, or ``tree_attention_mask``).
         self.cache = DynamicCache()
@@ -115,8 +115,9 @@ class VerifierState:
         )
         aux = None
         if self._captured is not None:
-            aux = torch.cat([a[0] for a in self._captured.aux], dim=-1)
-        return out.logits[0], aux
+            # with a device_map the captured layers and the head may sit on other GPUs than the inputs
+            aux = torch.cat([a[0].to(self.device) for a in self._captured.aux], dim=-1)
+        return out.logits[0].to(self.device), aux
 
     def prefill(self, prompt_ids: torch.Tensor) -> torch.Tensor | None:
         """Cache every prompt token but the last, which becomes the root of the first speculative round, so that

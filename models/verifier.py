@@ -79,6 +79,9 @@ class VerifierConfig:
     with AMX / AVX512-BF16, where it is ~5x faster; fp32 on CPUs without them, where bf16 is far slower)."""
     aux_layer_ids: list[int] | None = None
     """``output_hidden_states`` indices of the three aux states; None means ``[2, L//2, L-3]``."""
+    device_map: str | None = None
+    """None puts the whole verifier on the process's device. 'auto' spreads its layers over every GPU the process
+    sees (accelerate), for verifiers larger than one GPU (Llama-3.3-70B): run one such process per node."""
     trust_remote_code: bool = False
     """Run model code shipped with a checkpoint. Off unless you trust the source."""
     home: str = field(default_factory=default_home)
@@ -260,7 +263,8 @@ class Verifier:
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        """Where inputs go (the embedding's device; with ``device_map`` the layers may sit on other devices)."""
+        return self.model.get_input_embeddings().weight.device
 
 
 def load_tokenizer(cfg: VerifierConfig, path: Path | None = None):
@@ -287,8 +291,14 @@ def load_verifier(cfg: VerifierConfig, device: str | torch.device = "cpu") -> Ve
 
     path = resolve_verifier_dir(cfg)
     dtype = parse_dtype(cfg.dtype, device)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
-    model.to(device).eval().requires_grad_(False)
+    if cfg.device_map:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, trust_remote_code=cfg.trust_remote_code, device_map=cfg.device_map
+        )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+        model.to(device)
+    model.eval().requires_grad_(False)
     num_layers = int(model.config.num_hidden_layers)
     ids = cfg.aux_layer_ids if cfg.aux_layer_ids is not None else default_aux_layer_ids(num_layers)
     return Verifier(

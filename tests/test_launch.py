@@ -51,14 +51,15 @@ echo "node_rank=${{NODE_RANK:-}} $*" >> {log}
 
 
 def test_sbatch_runs_each_stage_on_every_node_then_eval_and_export_once(tmp_path):
-    proc, calls = run_sbatch(tmp_path, ["preset=llama3.3-70b-instruct", "train.lr=2e-4"])
+    proc, calls = run_sbatch(tmp_path, ["preset=llama3.3-70b-instruct", "train.lr=2e-4"], VERIFIER_PROCS_PER_NODE="1")
     assert proc.returncode == 0, proc.stderr
     dist = [c for c in calls if "torch.distributed.run" in c]
     assert len(dist) == 6  # regenerate, cache, train x 2 nodes
     for i, stage in enumerate(["regenerate", "cache", "train"]):
+        procs = 8 if stage == "train" else 1  # a 70B verifier spreads over a whole node (verifier.device_map=auto)
         for node in (0, 1):
             call = dist[2 * i + node]
-            assert call.startswith(f"node_rank={node} -m torch.distributed.run --nproc_per_node 8 --nnodes 2 "
+            assert call.startswith(f"node_rank={node} -m torch.distributed.run --nproc_per_node {procs} --nnodes 2 "
                                    f"--node_rank {node} --rdzv_backend c10d --rdzv_endpoint gpu-node-a:29500 "
                                    f"--rdzv_id 4242-{stage} -m launch.cli {stage} ")
             assert call.endswith("preset=llama3.3-70b-instruct train.lr=2e-4")

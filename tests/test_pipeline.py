@@ -43,6 +43,7 @@ def test_every_preset_composes_for_every_stage_with_the_published_hyperparameter
              "llama3.3-70b-instruct": "meta-llama/Llama-3.3-70B-Instruct"}[preset]
     for stage in ("regenerate", "cache", "eval", "tune"):
         assert cfg[stage].verifier.name_or_path == model
+        assert cfg[stage].verifier.device_map == ("auto" if "70b" in preset else None)
     max_length = 2048 if preset == "qwen3-8b" else 4096
     assert cfg["regenerate"].data.max_length == cfg["cache"].data.max_length == max_length
     train = cfg["train"]

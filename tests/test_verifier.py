@@ -126,3 +126,16 @@ def test_a_hub_id_resolves_to_its_snapshot_in_the_hf_cache_offline(tmp_path, mon
     assert path == repo / "snapshots" / commit
     with pytest.raises(FileNotFoundError, match="nor an embedded"):
         resolve_verifier_dir(VerifierConfig(name_or_path="no/such/dir"))
+
+
+def test_device_map_auto_loads_through_accelerate_and_captures_the_same_states(tiny_verifier_dir):
+    """verifier.device_map=auto (one process spreading a large verifier over its GPUs): on a CPU-only machine every
+    layer lands on the CPU, and the captured states are unchanged."""
+    plain = load_verifier(VerifierConfig(name_or_path=str(tiny_verifier_dir), dtype="float32"))
+    mapped = load_verifier(VerifierConfig(name_or_path=str(tiny_verifier_dir), dtype="float32", device_map="auto"))
+    assert mapped.device == torch.device("cpu")
+    ids = torch.randint(10, 1000, (2, 12))
+    a = forward_hidden(plain.model, ids, None, plain.aux_layer_ids)
+    b = forward_hidden(mapped.model, ids, None, mapped.aux_layer_ids)
+    for x, y in zip(a.aux + [a.final], b.aux + [b.final]):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
