@@ -35,7 +35,7 @@ from data.cache import atomic_write_text
 from data.sources import Conversation, DataConfig, load_conversations
 from data.template import end_of_turn_token, render
 from launch.dist import DistInfo, barrier, cleanup, init_distributed, pick_device
-from models.verifier import Verifier, VerifierConfig, load_verifier, resolve_verifier_dir
+from models.verifier import Verifier, VerifierConfig, cache_kwarg, load_verifier, resolve_verifier_dir
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,8 @@ def generate_batch(
     stopped = [False] * len(contexts)
     active = list(range(len(contexts)))  # original row of each batch row; finished rows leave the batch
     cache = DynamicCache()
-    out = model(input_ids=ids, attention_mask=mask, position_ids=position, cache=cache, use_cache=True, logits_to_keep=1)
+    kv = {cache_kwarg(model): cache}
+    out = model(input_ids=ids, attention_mask=mask, position_ids=position, use_cache=True, logits_to_keep=1, **kv)
     logits = out.logits[:, -1]
     last_pos = position[:, -1]
     for step in range(max(limits)):
@@ -203,7 +204,7 @@ def generate_batch(
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         last_pos = last_pos + 1
         out = model(
-            input_ids=nxt[:, None], attention_mask=mask, position_ids=last_pos[:, None], cache=cache, use_cache=True
+            input_ids=nxt[:, None], attention_mask=mask, position_ids=last_pos[:, None], use_cache=True, **kv
         )
         logits = out.logits[:, -1]
     return list(zip(tokens, stopped))

@@ -17,6 +17,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from eval.sampling import SamplingParams, sample, target_probs
 from models.capture import Captured, capture_hidden
+from models.verifier import cache_kwarg
 
 
 @dataclass
@@ -75,6 +76,7 @@ class VerifierState:
         # No config: every layer is a plain DynamicLayer that keeps all positions, which ``keep`` relies on; a
         # sliding window is then enforced by the masks alone (the model's own masks, or ``tree_attention_mask``).
         self.cache = DynamicCache()
+        self._cache_kwarg = cache_kwarg(model)
         self._hooks = ExitStack()
         self._captured: Captured | None = None
         if aux_layer_ids:
@@ -109,8 +111,8 @@ class VerifierState:
             input_ids=input_ids.view(1, -1),
             position_ids=None if position_ids is None else position_ids.view(1, -1),
             attention_mask=attention_mask,
-            cache=self.cache,
             use_cache=True,
+            **{self._cache_kwarg: self.cache},
             logits_to_keep=1 if last_only else 0,
         )
         aux = None

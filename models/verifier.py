@@ -312,6 +312,15 @@ def load_verifier(cfg: VerifierConfig, device: str | torch.device = "cpu") -> Ve
     )
 
 
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """The name a causal LM's forward gives its KV cache argument: ``cache`` in recent transformers, formerly
+    ``past_key_values`` (an unknown keyword would be swallowed by ``**kwargs`` and the cache silently unused)."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
 def load_embed_and_head(model_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """The verifier's input embedding [V, H] and output head [V, H], read without building the model.
 
