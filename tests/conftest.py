@@ -76,6 +76,23 @@ def tiny_verifier_dir(tmp_path_factory, smollm_tokenizer) -> Path:
     return make_tiny_verifier(tmp_path_factory.mktemp("verifiers"), "llama", smollm_tokenizer)
 
 
+def write_random_draft_run(run_dir: Path, verifier_dir: Path, seed: int):
+    """A training run folder holding a random-init EAGLE-3 draft for a tiny verifier, as ``fledge train`` leaves it.
+
+    Returns (verifier, draft); the draft's vocabulary is the verifier's whole vocabulary."""
+    from models.draft import Eagle3Config, Eagle3Draft
+    from models.verifier import VerifierConfig, load_verifier
+    from train.checkpoint import write_final_draft
+
+    verifier = load_verifier(VerifierConfig(name_or_path=str(verifier_dir), dtype="float32"))
+    config = Eagle3Config.from_verifier(verifier.model.config, draft_vocab_size=len(verifier.tokenizer),
+                                        aux_layer_ids=verifier.aux_layer_ids)
+    draft = Eagle3Draft(config, seed=seed)
+    draft.load_verifier_embedding(verifier.model.get_input_embeddings().weight.detach())
+    write_final_draft(run_dir, draft.trainable_state_dict(), config, {"verifier": {"path": str(verifier_dir)}})
+    return verifier, draft
+
+
 WORDS = "the a of to and in is it you that he was for on are with as I his they be at one have this from".split()
 
 

@@ -23,6 +23,8 @@ from models.draft import Eagle3Config, Eagle3Draft
 from models.export import tau_from_report
 from models.verifier import VerifierConfig, load_verifier
 
+from conftest import write_random_draft_run
+
 VOCAB = 256
 
 
@@ -365,15 +367,8 @@ def test_load_eagle_drafter_from_training_and_serving_checkpoints(tiny_verifier_
     """Both checkpoint kinds load into an EagleDrafter that proposes exactly what the original draft proposes."""
     from eval.runner import load_eagle_drafter
     from models.export import export_draft
-    from train.checkpoint import write_final_draft
 
-    verifier = load_verifier(VerifierConfig(name_or_path=str(tiny_verifier_dir), dtype="float32"))
-    config = Eagle3Config.from_verifier(verifier.model.config, draft_vocab_size=len(verifier.tokenizer),
-                                        aux_layer_ids=verifier.aux_layer_ids)
-    draft = Eagle3Draft(config, seed=3)
-    draft.load_verifier_embedding(verifier.model.get_input_embeddings().weight.detach())
-    write_final_draft(tmp_path / "run", draft.trainable_state_dict(), config,
-                      {"verifier": {"path": str(tiny_verifier_dir)}})
+    verifier, draft = write_random_draft_run(tmp_path / "run", tiny_verifier_dir, seed=3)
     export_draft(draft, tiny_verifier_dir, tmp_path / "serving", dtype="float32")
     prompt = torch.tensor([1, 2, 3, 4, 5, 6])
     aux = torch.randn(5, 3 * verifier.hidden_size)

@@ -13,6 +13,8 @@ from eval.tune import (
     tree_candidate,
 )
 
+from conftest import write_random_draft_run
+
 # α_1 = 0.5, α_2 = 0.4, depth 3 never reached.
 N_ALPHA = [0.5, 0.4, None]
 CPU_LIKE = CostModel(verify_steps={1: 1.0, 2: 1.2, 3: 1.5, 4: 1.9}, draft_step=0.1, round_overhead=0.2)
@@ -87,17 +89,8 @@ def test_measure_verify_cost_on_a_tiny_verifier(tiny_verifier_dir):
 
 def test_tune_command_end_to_end(tiny_verifier_dir, tmp_path, capsys):
     from launch.cli import compose_config, run_stage
-    from models.draft import Eagle3Config, Eagle3Draft
-    from models.verifier import VerifierConfig, load_verifier
-    from train.checkpoint import write_final_draft
 
-    verifier = load_verifier(VerifierConfig(name_or_path=str(tiny_verifier_dir), dtype="float32"))
-    config = Eagle3Config.from_verifier(verifier.model.config, draft_vocab_size=len(verifier.tokenizer),
-                                        aux_layer_ids=verifier.aux_layer_ids)
-    draft = Eagle3Draft(config, seed=1)
-    draft.load_verifier_embedding(verifier.model.get_input_embeddings().weight.detach())
-    write_final_draft(tmp_path / "run", draft.trainable_state_dict(), config,
-                      {"verifier": {"path": str(tiny_verifier_dir)}})
+    write_random_draft_run(tmp_path / "run", tiny_verifier_dir, seed=1)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": i, "turns": [f"the a of {i} to and"]}) + "\n" for i in range(2)))
     overrides = [
