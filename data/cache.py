@@ -25,11 +25,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from fledge.core.errors import ConfigError, FledgeError
+from fledge.core.files import atomic_write, atomic_write_text, sha256_file
+
 FORMAT_VERSION = 1
 SHARD_DIR = "shards"
 
 
-class CacheError(RuntimeError):
+class CacheError(FledgeError, RuntimeError):
     """A cache that is incomplete, damaged, or built for something else than what asks for it."""
 
 
@@ -56,7 +59,7 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if self.batch_tokens < 1 or self.max_batch_size < 1 or self.shard_bytes < 1:
-            raise ValueError("cache.batch_tokens, cache.max_batch_size and cache.shard_bytes must be positive")
+            raise ConfigError("cache.batch_tokens, cache.max_batch_size and cache.shard_bytes must be positive")
 
 
 @dataclass
@@ -77,14 +80,6 @@ class CacheIdentity:
         ]
 
 
-def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def tokenizer_hash(tokenizer) -> str:
     """Hash of the vocabulary and special tokens (what decides the ids), not of the tokenizer object."""
     h = hashlib.sha256()
@@ -97,15 +92,6 @@ def tokenizer_hash(tokenizer) -> str:
 
 def chat_template_hash(tokenizer) -> str:
     return hashlib.sha256((getattr(tokenizer, "chat_template", None) or "").encode()).hexdigest()[:16]
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 def shard_name(i: int) -> str:
@@ -187,12 +173,7 @@ def write_shard(
         "final": torch.cat(final).contiguous(),
     }
     final_path = shard_dir / f"{shard_name(s)}.safetensors"
-    tmp = shard_dir / f"{shard_name(s)}.safetensors.tmp-{os.getpid()}"
-    save_file(tensors, str(tmp))
-    with open(tmp, "rb+") as fh:
-        os.fsync(fh.fileno())
-    _fault_point("before_rename")
-    os.replace(tmp, final_path)
+    atomic_write(final_path, lambda tmp: save_file(tensors, str(tmp)), before_replace=lambda: _fault_point("before_rename"))
     record = {
         "shard": s,
         "file": f"{SHARD_DIR}/{final_path.name}",
@@ -258,15 +239,22 @@ class CacheReader:
         self.path = Path(path)
         manifest_path = self.path / "manifest.json"
         if not manifest_path.is_file():
-            state = "incomplete (no manifest.json: rerun `fledge cache` to finish it)" if (self.path / "plan.json").is_file() else "not a fledge cache"
-            raise CacheError(f"{self.path}: {state}")
+            if (self.path / "plan.json").is_file():
+                raise CacheError(f"{self.path}: incomplete (no manifest.json)", fix="rerun `fledge cache` to finish it")
+            raise CacheError(f"{self.path}: not a fledge cache", fix="build one with `fledge cache cache.dir=...`")
         self.manifest: dict[str, Any] = json.loads(manifest_path.read_text())
         if self.manifest.get("format_version") != FORMAT_VERSION:
-            raise CacheError(f"{self.path}: cache format {self.manifest.get('format_version')}, this fledge reads {FORMAT_VERSION}")
+            raise CacheError(
+                f"{self.path}: cache format {self.manifest.get('format_version')}, this fledge reads {FORMAT_VERSION}",
+                fix="rebuild the cache with this version (`fledge cache cache.overwrite=true`)",
+            )
         if expect is not None:
             problems = expect.mismatches(self.identity)
             if problems:
-                raise CacheError(f"{self.path} was built for something else:\n  " + "\n  ".join(problems))
+                raise CacheError(
+                    f"{self.path} was built for something else:\n  " + "\n  ".join(problems),
+                    fix="use the verifier and settings the cache was built with, or build a cache for these",
+                )
         self.verify = verify
         self._verified: set[int] = set()
         self._handles: dict[int, Any] = {}
@@ -301,25 +289,30 @@ class CacheReader:
         return list(self._lengths)
 
     def draft_vocab(self) -> tuple[torch.Tensor, torch.Tensor]:
-        from data.vocab import load_draft_vocab
+        from fledge.data.vocab import load_draft_vocab
 
-        return load_draft_vocab(self.path / "draft_vocab.safetensors")
+        try:
+            return load_draft_vocab(self.path / "draft_vocab.safetensors")
+        except (FileNotFoundError, ValueError) as e:
+            raise CacheError(f"{self.path}: {e}", fix="rebuild the cache with `fledge cache cache.overwrite=true`") from e
 
     def _shard(self, s: int):
         if s not in self._handles:
             record = self.manifest["shards"][s]
             path = self.path / record["file"]
             if not path.is_file():
-                raise CacheError(f"{path}: shard missing from the cache")
+                raise CacheError(f"{path}: shard missing from the cache", fix="rerun `fledge cache` to rebuild it")
             if self.verify and s not in self._verified:
                 if path.stat().st_size != record["bytes"] or sha256_file(path) != record["sha256"]:
-                    raise CacheError(f"{path}: damaged shard (checksum mismatch); delete it and rerun `fledge cache` to rebuild it")
+                    raise CacheError(
+                        f"{path}: damaged shard (checksum mismatch)", fix="delete it and rerun `fledge cache` to rebuild it"
+                    )
                 self._verified.add(s)
             try:
                 handle = safe_open(str(path), "pt")
                 self._offsets[s] = handle.get_tensor("offsets").tolist()
             except Exception as e:  # safetensors raises its own error types for unreadable headers
-                raise CacheError(f"{path}: unreadable shard ({e})") from e
+                raise CacheError(f"{path}: unreadable shard ({e})", fix="delete it and rerun `fledge cache`") from e
             self._handles[s] = handle
         return self._handles[s]
 

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import torch
 
-from data.cache import CacheConfig
-from data.cache_job import CacheJobConfig, ShardWriter, cache_shard, prepare, write_manifest
-from data.sources import DataConfig
-from launch.dist import DistInfo, pick_device
-from models.capture import decoder_parts
-from models.verifier import VerifierConfig, parse_dtype
+from fledge.core.dist import DistInfo, pick_device
+from fledge.data.cache import CacheConfig
+from fledge.data.cache_job import CacheJobConfig, ShardWriter, cache_shard, prepare, write_manifest
+from fledge.data.sources import DataConfig
+from fledge.models.capture import decoder_parts
+from fledge.models.verifier import VerifierConfig, parse_dtype
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class CacheBenchConfig:
 
 @torch.inference_mode()
 def bare_forward(prep, batches: list[list[int]]) -> float:
-    from data.cache_job import _batch_tensors
+    from fledge.data.cache_job import _batch_tensors
 
     base, _, _ = decoder_parts(prep.verifier.model)
     pad_id = prep.verifier.tokenizer.pad_token_id or 0

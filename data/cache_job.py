@@ -21,14 +21,15 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from data.cache import (
+from fledge.core.dist import DistInfo, barrier, cleanup, init_process_group
+from fledge.core.files import atomic_write_text
+from fledge.data.cache import (
     FORMAT_VERSION,
     SHARD_DIR,
     CacheConfig,
     CacheError,
     CacheIdentity,
     ShardPlan,
-    atomic_write_text,
     chat_template_hash,
     complete_shard,
     plan_shards,
@@ -36,12 +37,11 @@ from data.cache import (
     tokenizer_hash,
     write_shard,
 )
-from data.sources import DataConfig, load_conversations
-from data.template import Tokenized, tokenize_all
-from data.vocab import build_draft_vocab, count_tokens, save_draft_vocab
-from launch.dist import DistInfo, barrier, cleanup, init_distributed, pick_device
-from models.capture import forward_hidden
-from models.verifier import (
+from fledge.data.sources import DataConfig, load_conversations
+from fledge.data.template import Tokenized, tokenize_all
+from fledge.data.vocab import build_draft_vocab, count_tokens, save_draft_vocab
+from fledge.models.capture import forward_hidden
+from fledge.models.verifier import (
     Verifier,
     VerifierConfig,
     load_verifier,
@@ -56,7 +56,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class CacheJobConfig:
     verifier: VerifierConfig = field(default_factory=VerifierConfig)
-    data: DataConfig = field(default_factory=DataConfig)
+    data: DataConfig = field(default_factory=lambda: DataConfig(max_conversations=1000))
+    """The conversations to cache; the first 1000 usable ones by default (``data.max_conversations=null``: all)."""
     cache: CacheConfig = field(default_factory=CacheConfig)
 
 
@@ -95,7 +96,10 @@ def prepare(cfg: CacheJobConfig, info: DistInfo, device: torch.device) -> Prepar
         template_kwargs=dict(cfg.data.chat_template_kwargs),
     )
     if not samples:
-        raise CacheError(f"no usable conversation in {cfg.data.source!r} ({report.summary()})")
+        raise CacheError(
+            f"no usable conversation in {cfg.data.source!r} ({report.summary()})",
+            fix="check data.source and data.max_length",
+        )
     vocab_size = int(verifier.model.config.vocab_size)
     counts = count_tokens(samples, vocab_size)
     draft_vocab_size = min(cfg.cache.draft_vocab_size, vocab_size)
@@ -149,8 +153,8 @@ def claim_directory(cache_dir: Path, plan_record: dict[str, Any], overwrite: boo
         if differs:
             if not overwrite:
                 raise CacheError(
-                    f"{cache_dir} holds a cache of other inputs ({', '.join(differs)} differ); "
-                    "choose another cache.dir or pass cache.overwrite=true to replace it"
+                    f"{cache_dir} holds a cache of other inputs ({', '.join(differs)} differ)",
+                    fix="choose another cache.dir or pass cache.overwrite=true to replace it",
                 )
             log.warning("cache.overwrite=true: replacing %s (%s differ)", cache_dir, ", ".join(differs))
             shutil.rmtree(cache_dir / SHARD_DIR, ignore_errors=True)
@@ -159,7 +163,7 @@ def claim_directory(cache_dir: Path, plan_record: dict[str, Any], overwrite: boo
         elif (cache_dir / "manifest.json").is_file():
             return True
     elif cache_dir.exists() and any(not p.name.startswith(".") for p in cache_dir.iterdir()) and not overwrite:
-        raise CacheError(f"{cache_dir} exists and is not a fledge cache; choose another cache.dir")
+        raise CacheError(f"{cache_dir} exists and is not a fledge cache", fix="choose another cache.dir")
     (cache_dir / SHARD_DIR).mkdir(parents=True, exist_ok=True)
     atomic_write_text(plan_path, json.dumps(plan_record, indent=1))
     return False
@@ -233,7 +237,7 @@ def write_manifest(cache_dir: Path, cfg: CacheJobConfig, prep: Prepared) -> dict
     for s in range(len(prep.plan.shards)):
         record = complete_shard(cache_dir, s, verify=False)
         if record is None:
-            raise CacheError(f"{cache_dir}: shard {s} is not complete; rerun `fledge cache` to finish it")
+            raise CacheError(f"{cache_dir}: shard {s} is not complete", fix="rerun `fledge cache` to finish it")
         shards.append(record)
     v = prep.verifier
     manifest = {
@@ -276,16 +280,15 @@ def _already_complete(cache_dir: Path, cfg: CacheJobConfig) -> bool:
 
 
 def run(cfg: CacheJobConfig) -> Path:
-    info = init_distributed(cfg.cache.device)
+    info, device = init_process_group(cfg.cache.device)
     try:
-        return _run(cfg, info)
+        return _run(cfg, info, device)
     finally:
         cleanup()
 
 
-def _run(cfg: CacheJobConfig, info: DistInfo) -> Path:
+def _run(cfg: CacheJobConfig, info: DistInfo, device: torch.device) -> Path:
     cache_dir = Path(cfg.cache.dir)
-    device = pick_device(cfg.cache.device, info)
     if info.is_main:
         resolve_verifier_dir(cfg.verifier)  # convert a GGUF once, before the other ranks look for it
     barrier()

@@ -31,11 +31,13 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from data.cache import atomic_write_text
-from data.sources import Conversation, DataConfig, load_conversations
-from data.template import end_of_turn_token, render
-from launch.dist import DistInfo, barrier, cleanup, init_distributed, pick_device
-from models.verifier import Verifier, VerifierConfig, cache_kwarg, load_verifier, resolve_verifier_dir
+from fledge.core.dist import DistInfo, barrier, cleanup, init_process_group
+from fledge.core.errors import ConfigError, FledgeError
+from fledge.core.files import atomic_write_text
+from fledge.data.sources import Conversation, DataConfig, load_conversations
+from fledge.data.template import render, stop_token_ids
+from fledge.models.sampling import SamplingParams, target_probs
+from fledge.models.verifier import Verifier, VerifierConfig, cache_kwarg, load_verifier, resolve_verifier_dir
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +45,7 @@ FORMAT_VERSION = 1
 PART_DIR = "parts"
 
 
-class RegenerateError(RuntimeError):
+class RegenerateError(FledgeError, RuntimeError):
     """The output folder belongs to other inputs, or the inputs cannot be regenerated."""
 
 
@@ -51,7 +53,7 @@ class RegenerateError(RuntimeError):
 class RegenerateOptions:
     out_dir: str = "runs/regen"
     """Holds plan.json, parts/, and at the end conversations.jsonl and manifest.json."""
-    batch_size: int = 16
+    batch_size: int = 32
     """Conversations generated together (one left-padded batch per turn); also the unit of resumption."""
     max_new_tokens: int = 512
     """Per assistant turn. An answer cut at this length ends its conversation (later turns would follow a cut
@@ -69,21 +71,24 @@ class RegenerateOptions:
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
-            raise ValueError(f"regenerate.batch_size must be >= 1, got {self.batch_size}")
+            raise ConfigError(f"regenerate.batch_size must be >= 1, got {self.batch_size}")
         if self.max_new_tokens < 1:
-            raise ValueError(f"regenerate.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+            raise ConfigError(f"regenerate.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.turns not in ("all", "first"):
-            raise ValueError(f"regenerate.turns must be 'all' or 'first', got {self.turns!r}")
+            raise ConfigError(f"regenerate.turns must be 'all' or 'first', got {self.turns!r}")
         if self.temperature < 0:
-            raise ValueError(f"regenerate.temperature must be >= 0, got {self.temperature}")
+            raise ConfigError(f"regenerate.temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"regenerate.top_p must be in (0, 1], got {self.top_p}")
+            raise ConfigError(f"regenerate.top_p must be in (0, 1], got {self.top_p}")
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p)
 
 
 @dataclass
 class RegenerateJobConfig:
     verifier: VerifierConfig = field(default_factory=VerifierConfig)
-    data: DataConfig = field(default_factory=lambda: DataConfig(require_assistant=False))
+    data: DataConfig = field(default_factory=lambda: DataConfig(max_conversations=1000, require_assistant=False))
     """The prompts. ``data.max_length`` caps a conversation's tokens, prompts and answers together, as in the cache:
     an answer stops there (finish 'length'), and a user turn whose prompt already reaches it is not answered."""
     regenerate: RegenerateOptions = field(default_factory=RegenerateOptions)
@@ -108,24 +113,6 @@ def to_prompts(conversations: list[Conversation], turns: str) -> list[Prompted]:
         if questions:
             out.append(Prompted(i, system, questions))
     return out
-
-
-def stop_token_ids(verifier: Verifier, template_kwargs: dict[str, Any]) -> list[int]:
-    """The tokens that end an answer: the chat template's end-of-turn token, the tokenizer's and model's eos."""
-    tok = verifier.tokenizer
-    ids: set[int] = set()
-    if tok.eos_token_id is not None:
-        ids.add(int(tok.eos_token_id))
-    gen_eos = getattr(getattr(verifier.model, "generation_config", None), "eos_token_id", None)
-    if gen_eos is not None:
-        ids.update(int(i) for i in (gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos]))
-    eot = end_of_turn_token(tok, template_kwargs)
-    eot_id = tok.convert_tokens_to_ids(eot)
-    if isinstance(eot_id, int) and eot_id != tok.unk_token_id:
-        ids.add(eot_id)
-    if not ids:
-        raise RegenerateError("the verifier's tokenizer has no eos token and its chat template no end-of-turn token")
-    return sorted(ids)
 
 
 def _history(p: Prompted, answers: list[str]) -> Conversation:
@@ -153,6 +140,7 @@ def generate_batch(
     model = verifier.model
     device = verifier.device
     tok = verifier.tokenizer
+    sampling = opts.sampling()
     pad = tok.pad_token_id if tok.pad_token_id is not None else stop_ids[0]
     width = max(len(c) for c in contexts)
     ids = torch.full((len(contexts), width), pad, dtype=torch.long)
@@ -173,15 +161,11 @@ def generate_batch(
     logits = out.logits[:, -1]
     last_pos = position[:, -1]
     for step in range(max(limits)):
-        if opts.temperature == 0:
+        if sampling.greedy:
             nxt = logits.argmax(-1)
         else:
-            probs = torch.softmax(logits.float() / opts.temperature, -1)
-            if opts.top_p < 1:
-                sorted_p, order = probs.sort(-1, descending=True)
-                keep = sorted_p.cumsum(-1) - sorted_p < opts.top_p
-                probs = torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
-            nxt = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1)
+            # On the CPU, where the part's seeded generator lives (the model may sit on a GPU).
+            nxt = torch.multinomial(target_probs(logits, sampling).cpu(), 1, generator=generator).squeeze(-1)
         nxt = nxt.to(device)  # the head may sit on another GPU than the embedding (verifier.device_map)
         is_stop = torch.isin(nxt, stops)
         finished = is_stop | (step + 1 >= limit)
@@ -299,8 +283,8 @@ def claim(out_dir: Path, record: dict[str, Any], overwrite: bool) -> None:
         if not overwrite:
             diff = sorted(k for k in set(old) | set(record) if old.get(k) != record.get(k))
             raise RegenerateError(
-                f"{out_dir} holds answers for other inputs (differs in {', '.join(diff)}); "
-                "use another regenerate.out_dir or regenerate.overwrite=true"
+                f"{out_dir} holds answers for other inputs (differs in {', '.join(diff)})",
+                fix="use another regenerate.out_dir or regenerate.overwrite=true",
             )
         log.warning("%s was made for other inputs; overwriting", out_dir)
         shutil.rmtree(out_dir)
@@ -330,17 +314,16 @@ def merge(out_dir: Path, num_parts: int, record: dict[str, Any], seconds: float)
 
 
 def run(cfg: RegenerateJobConfig) -> Path:
-    info = init_distributed(cfg.regenerate.device)
+    info, device = init_process_group(cfg.regenerate.device)
     try:
-        return _run(cfg, info)
+        return _run(cfg, info, device)
     finally:
         cleanup()
 
 
-def _run(cfg: RegenerateJobConfig, info: DistInfo) -> Path:
+def _run(cfg: RegenerateJobConfig, info: DistInfo, device: torch.device) -> Path:
     opts = cfg.regenerate
     out_dir = Path(opts.out_dir)
-    device = pick_device(opts.device, info)
     if info.is_main:
         resolve_verifier_dir(cfg.verifier)  # convert a GGUF once, before the other ranks look for it
     barrier()
@@ -348,7 +331,7 @@ def _run(cfg: RegenerateJobConfig, info: DistInfo) -> Path:
     conversations, _ = load_conversations(cfg.data)  # logs its own report
     prompts = to_prompts(conversations, opts.turns)
     if not prompts:
-        raise RegenerateError(f"no user turns to answer in {cfg.data.source}")
+        raise RegenerateError(f"no user turns to answer in {cfg.data.source}", fix="check data.source")
     record = _plan_record(cfg, verifier, prompts)
     manifest_path = out_dir / "manifest.json"
     if manifest_path.is_file() and (out_dir / "conversations.jsonl").is_file():
@@ -364,7 +347,7 @@ def _run(cfg: RegenerateJobConfig, info: DistInfo) -> Path:
     barrier()
 
     kwargs = cfg.data.chat_template_kwargs
-    stop_ids = stop_token_ids(verifier, kwargs)
+    stop_ids = stop_token_ids(verifier.tokenizer, getattr(verifier.model, "generation_config", None), kwargs)
     parts = plan_parts(verifier, prompts, opts.batch_size, kwargs)
     mine = [p for p in range(len(parts)) if p % info.world_size == info.rank]
     todo = [p for p in mine if not (out_dir / PART_DIR / part_name(p)).is_file()]

@@ -26,6 +26,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from fledge.core.errors import ConfigError, FledgeError
+
 log = logging.getLogger(__name__)
 
 Message = dict[str, str]
@@ -47,7 +49,7 @@ ROLE_ALIASES: dict[str, str] = {
 }
 
 
-class DataError(ValueError):
+class DataError(FledgeError, ValueError):
     """A source that cannot be read at all: missing, unreadable, or not the declared format."""
 
 
@@ -74,11 +76,11 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         if self.max_conversations is not None and self.max_conversations < 0:
-            raise ValueError(f"data.max_conversations must be >= 0 or None, got {self.max_conversations}")
+            raise ConfigError(f"data.max_conversations must be >= 0 or None, got {self.max_conversations}")
         if self.offset < 0:
-            raise ValueError(f"data.offset must be >= 0, got {self.offset}")
+            raise ConfigError(f"data.offset must be >= 0, got {self.offset}")
         if self.max_length < 2:
-            raise ValueError(f"data.max_length must be at least 2 tokens, got {self.max_length}")
+            raise ConfigError(f"data.max_length must be at least 2 tokens, got {self.max_length}")
 
 
 @dataclass
@@ -256,13 +258,6 @@ class JsonArrayStream:
         finally:
             bar.close()
             fh.close()
-
-
-def recover_json_array(path: Path) -> tuple[list[Any], bool]:
-    """(every complete element of the JSON array in ``path``, whether the file was cut off before the array closed)."""
-    stream = JsonArrayStream(Path(path))
-    records = list(stream)
-    return records, stream.truncated
 
 
 def iter_jsonl(path: Path, skipped: Counter, progress: bool = True) -> Iterator[Any]:
@@ -512,7 +507,7 @@ def load_prompts(source: str = "mtbench", max_prompts: int | None = None) -> lis
     and 'hf:' sources give the user turns of their conversations.
     """
     if max_prompts is not None and max_prompts < 0:
-        raise ValueError(f"max_prompts must be >= 0 or None, got {max_prompts}")
+        raise ConfigError(f"max_prompts must be >= 0 or None, got {max_prompts}")
     prompts: list[dict] = []
     if source == "mtbench":
         for rec in iter_jsonl(mtbench_dir() / "question.jsonl", Counter(), progress=False):

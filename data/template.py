@@ -32,7 +32,8 @@ from typing import Any
 from jinja2.exceptions import TemplateError
 from tqdm.auto import tqdm
 
-from data.sources import Conversation
+from fledge.core.errors import ConfigError
+from fledge.data.sources import Conversation
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,26 @@ def end_of_turn_token(tokenizer, template_kwargs: dict[str, Any] | None = None) 
         f"no special token follows the assistant's content in the chat template (it is followed by {after[:40]!r}); "
         "the loss mask needs an end-of-turn token"
     )
+
+
+def stop_token_ids(tokenizer, generation_config: Any = None, template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """The tokens that end an answer: the chat template's end-of-turn token, the tokenizer's eos and the model's
+    generation-config eos (one id or a list). Regeneration stops on them and evaluation cuts its outputs at them."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen_eos = getattr(generation_config, "eos_token_id", None)
+    if gen_eos is not None:
+        ids.update(int(i) for i in (gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos]))
+    eot_id = tokenizer.convert_tokens_to_ids(end_of_turn_token(tokenizer, template_kwargs))
+    if isinstance(eot_id, int) and eot_id != tokenizer.unk_token_id:
+        ids.add(eot_id)
+    if not ids:
+        raise ConfigError(
+            "the verifier's tokenizer has no eos token and its chat template no end-of-turn token",
+            fix="use a verifier whose tokenizer defines an eos token",
+        )
+    return sorted(ids)
 
 
 def _content_span(

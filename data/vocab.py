@@ -13,7 +13,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from data.template import Tokenized
+from fledge.core.files import atomic_write
+from fledge.data.template import Tokenized
+from fledge.models.draft import draft_vocab_problems
 
 
 def count_tokens(samples: Iterable[Tokenized], vocab_size: int) -> torch.Tensor:
@@ -69,24 +71,9 @@ def check_draft_vocab(d2t: torch.Tensor, t2d: torch.Tensor) -> None:
     k, vocab_size = d2t.numel(), t2d.numel()
     if k == 0 or k > vocab_size:
         raise ValueError(f"draft vocab size {k} must be between 1 and the verifier's vocab_size {vocab_size}")
-    targets = torch.arange(k, dtype=torch.int64) + d2t
-    out = (targets < 0) | (targets >= vocab_size)
-    if out.any():
-        i = int(out.nonzero()[0])
-        raise ValueError(f"d2t maps draft id {i} to target id {int(targets[i])}, outside 0..{vocab_size - 1}")
-    if targets.unique().numel() != k:
-        values, counts = targets.unique(return_counts=True)
-        raise ValueError(f"d2t maps several draft ids to target id {int(values[counts > 1][0])}")
-    if (targets[1:] <= targets[:-1]).any():
-        i = int((targets[1:] <= targets[:-1]).nonzero()[0]) + 1
-        raise ValueError(
-            f"d2t target ids are not ascending at draft id {i} ({int(targets[i - 1])} then {int(targets[i])})"
-        )
-    if int(t2d.sum()) != k:
-        raise ValueError(f"t2d marks {int(t2d.sum())} target ids but d2t has {k} draft ids")
-    if not t2d[targets].all():
-        i = int((~t2d[targets]).nonzero()[0])
-        raise ValueError(f"t2d does not mark target id {int(targets[i])}, which d2t maps draft id {i} to")
+    problems = draft_vocab_problems(d2t, t2d)
+    if problems:
+        raise ValueError(problems[0].message)
 
 
 def save_draft_vocab(path: Path, d2t: torch.Tensor, t2d: torch.Tensor, counts: torch.Tensor) -> None:
@@ -97,9 +84,7 @@ def save_draft_vocab(path: Path, d2t: torch.Tensor, t2d: torch.Tensor, counts: t
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {"d2t": d2t.contiguous(), "t2d": t2d.contiguous(), "counts": counts.to(torch.int64).contiguous()}
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp))
-    tmp.replace(path)  # a reader never sees a half-written file
+    atomic_write(path, lambda tmp: save_file(tensors, str(tmp)))
 
 
 def load_draft_vocab(path: Path) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,9 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from eval.proposals import Drafter
-from eval.sampling import SamplingParams, leviathan_accept, target_probs
-from eval.verifier_state import DecodeResult, VerifierState, clock, stop_index
+from fledge.eval.proposals import Drafter
+from fledge.eval.sampling import leviathan_accept
+from fledge.eval.verifier_state import DecodeResult, VerifierState, clock, stop_index
+from fledge.models.sampling import SamplingParams, target_probs
 
 
 @torch.inference_mode()

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from eval.proposals import ChainDraft, DraftTree, TreeShape, grow_tree, propose_chain_with
-from eval.sampling import SamplingParams
-from models.draft import DraftKVCache, Eagle3Draft
+from fledge.core.errors import ConfigError
+from fledge.eval.proposals import ChainDraft, DraftTree, TreeShape, grow_tree, propose_chain_with
+from fledge.models.draft import DraftKVCache, Eagle3Draft
+from fledge.models.sampling import SamplingParams
 
 
 class PromptLookupDrafter:
@@ -21,7 +22,7 @@ class PromptLookupDrafter:
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:
-            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+            raise ConfigError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self._buffer = torch.empty(0, dtype=torch.long)

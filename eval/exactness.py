@@ -19,10 +19,10 @@ from typing import Literal
 import torch
 from torch import nn
 
-from eval.chain import generate_chain
-from eval.proposals import Drafter, TreeShape
-from eval.sampling import SamplingParams, target_probs
-from eval.tree import generate_tree
+from fledge.eval.chain import generate_chain
+from fledge.eval.proposals import Drafter, TreeShape
+from fledge.eval.tree import generate_tree
+from fledge.models.sampling import SamplingParams, target_probs
 
 
 def chi2_critical(dof: int, significance: float) -> float:
@@ -213,8 +213,8 @@ def tiny_verifier(
 def random_eagle_factory(verifier: nn.Module, aux_layer_ids: list[int], seed: int = 0, peak: float = 50.0):
     """Drafter factory over a random-init EAGLE-3 draft whose vocabulary is half the verifier's (odd ids, mapped
     through d2t): a deliberately poor draft that still exercises fc, the KV cache and the vocabulary mapping."""
-    from eval.drafters import EagleDrafter
-    from models.draft import Eagle3Config, Eagle3Draft
+    from fledge.eval.drafters import EagleDrafter
+    from fledge.models.draft import Eagle3Config, Eagle3Draft
 
     vocab = int(verifier.config.vocab_size)
     config = Eagle3Config.from_verifier(verifier.config, draft_vocab_size=vocab // 2, aux_layer_ids=aux_layer_ids)

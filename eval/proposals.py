@@ -16,7 +16,8 @@ from typing import Protocol
 
 import torch
 
-from eval.sampling import SamplingParams, draft_probs, sample
+from fledge.core.errors import ConfigError
+from fledge.models.sampling import SamplingParams, draft_probs, sample
 
 
 @dataclass
@@ -43,9 +44,9 @@ class TreeShape:
 
     def __post_init__(self) -> None:
         if self.depth < 1 or self.top_k < 1:
-            raise ValueError(f"tree depth and top_k must be >= 1, got depth={self.depth}, top_k={self.top_k}")
+            raise ConfigError(f"tree depth and top_k must be >= 1, got depth={self.depth}, top_k={self.top_k}")
         if self.total_tokens < self.top_k:
-            raise ValueError(
+            raise ConfigError(
                 f"tree total_tokens ({self.total_tokens}) must be >= top_k ({self.top_k}): the root's children "
                 "alone are top_k tokens"
             )

@@ -17,14 +17,18 @@ from typing import Any
 
 import torch
 
-from eval.chain import generate_chain
-from eval.drafters import EagleDrafter
-from eval.metrics import AcceptanceTrace, predicted_speedup, summarize
-from eval.proposals import Drafter, TreeShape
-from eval.sampling import SamplingParams
-from eval.tree import generate_tree
-from eval.verifier_state import DecodeResult, generate_plain
-from models.verifier import Verifier, parse_dtype
+from fledge.core.errors import ConfigError
+from fledge.data.template import stop_token_ids
+from fledge.eval.chain import generate_chain
+from fledge.eval.drafters import EagleDrafter
+from fledge.eval.metrics import AcceptanceTrace, predicted_speedup, summarize
+from fledge.eval.proposals import Drafter, TreeShape
+from fledge.eval.tree import generate_tree
+from fledge.eval.verifier_state import DecodeResult, generate_plain
+from fledge.models.draft_folder import load_draft
+from fledge.models.sampling import SamplingParams
+from fledge.models.serving import is_serving_checkpoint, load_exported
+from fledge.models.verifier import Verifier, parse_dtype
 
 log = logging.getLogger(__name__)
 
@@ -69,11 +73,11 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
-            raise ValueError(f"eval.method must be one of {METHODS}, got {self.method!r}")
+            raise ConfigError(f"eval.method must be one of {METHODS}, got {self.method!r}")
         if self.num_draft_tokens < 1:
-            raise ValueError(f"eval.num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
+            raise ConfigError(f"eval.num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
         if self.max_new_tokens < 1:
-            raise ValueError(f"eval.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+            raise ConfigError(f"eval.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         parse_dtype(self.dtype)
         self.tree_shape()
         self.sampling()
@@ -98,30 +102,13 @@ def encode_prompt(tokenizer, prompt: dict) -> torch.Tensor:
     return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
 
 
-def stop_ids_of(verifier: Verifier) -> frozenset[int]:
-    ids: set[int] = set()
-    for source in (getattr(verifier.tokenizer, "eos_token_id", None),
-                   getattr(getattr(verifier.model, "generation_config", None), "eos_token_id", None)):
-        if isinstance(source, int):
-            ids.add(source)
-        elif isinstance(source, (list, tuple)):
-            ids.update(int(i) for i in source)
-    return frozenset(ids)
-
-
 def load_eagle_drafter(path: str | Path, verifier: Verifier) -> EagleDrafter:
     """An ``EagleDrafter`` from a fledge training run / checkpoint or from an exported serving checkpoint (a folder
     whose config.json is a ``LlamaForCausalLMEagle3`` or speculators config), in the verifier's dtype and device."""
     path = Path(path)
-    config_file = path / "config.json"
-    architectures = json.loads(config_file.read_text()).get("architectures", []) if config_file.is_file() else []
-    if architectures:
-        from models.export import load_exported
-
+    if is_serving_checkpoint(path):
         draft = load_exported(path, verifier.path)
     else:
-        from train.checkpoint import load_draft
-
         draft = load_draft(path, verifier.path)
     return EagleDrafter(draft.to(device=verifier.device, dtype=verifier.dtype))
 
@@ -165,7 +152,7 @@ def evaluate(
     if verifier.dtype != parse_dtype(cfg.dtype):
         raise ValueError(f"the verifier runs in {verifier.dtype} but eval.dtype is {cfg.dtype}; load it in that dtype")
     sets = prompts if isinstance(prompts, dict) else {"prompts": prompts}
-    stop_ids = stop_ids_of(verifier)
+    stop_ids = frozenset(stop_token_ids(verifier.tokenizer, getattr(verifier.model, "generation_config", None)))
     greedy = cfg.sampling().greedy
     report: dict = {
         "config": dataclasses.asdict(cfg),
@@ -178,7 +165,7 @@ def evaluate(
     for set_name, set_prompts in sets.items():
         encoded = [(p["id"], encode_prompt(verifier.tokenizer, p)) for p in set_prompts[: cfg.max_prompts]]
         if not encoded:
-            raise ValueError(f"prompt set {set_name!r} is empty")
+            raise ConfigError(f"prompt set {set_name!r} is empty", fix="check prompts and eval.max_prompts")
         if cfg.warmup_tokens:
             for drafter in [None, *(d for _, d in named)]:
                 _run(verifier, encoded[0][1], drafter, _method_of(drafter, cfg), cfg, stop_ids, cfg.warmup_tokens)

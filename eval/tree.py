@@ -17,9 +17,10 @@ import dataclasses
 import torch
 from torch import nn
 
-from eval.proposals import DraftTree, Drafter, TreeShape
-from eval.sampling import SamplingParams, multi_candidate_accept, sample, target_probs
-from eval.verifier_state import DecodeResult, VerifierState, clock, stop_index
+from fledge.eval.proposals import Drafter, DraftTree, TreeShape
+from fledge.eval.sampling import multi_candidate_accept
+from fledge.eval.verifier_state import DecodeResult, VerifierState, clock, stop_index
+from fledge.models.sampling import SamplingParams, sample, target_probs
 
 
 def tree_attention_mask(

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from eval.proposals import Drafter, TreeShape
-from eval.sampling import SamplingParams
-from eval.verifier_state import VerifierState, clock
+from fledge.eval.proposals import Drafter, TreeShape
+from fledge.eval.verifier_state import VerifierState, clock
+from fledge.models.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

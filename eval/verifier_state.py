@@ -15,9 +15,9 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from eval.sampling import SamplingParams, sample, target_probs
-from models.capture import Captured, capture_hidden
-from models.verifier import cache_kwarg
+from fledge.models.capture import Captured, capture_hidden
+from fledge.models.sampling import SamplingParams, sample, target_probs
+from fledge.models.verifier import cache_kwarg
 
 
 @dataclass

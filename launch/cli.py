@@ -7,6 +7,10 @@
 Each stage registers its root dataclass in Hydra's ConfigStore as ``<stage>_schema``; ``conf/<stage>.yaml`` lists
 that schema first in its defaults and only sets values, so a misspelt override (``train.lrr=1``) fails loudly.
 The stage function receives the dataclass instance (``OmegaConf.to_object``), never a DictConfig.
+
+A known user error (``core.errors.FledgeError``: bad data, a cache or checkpoint that does not match, a config
+error) prints one line, ``fledge <stage>: error: <reason> (fix: <what to do>)``, and exits with status 2.
+``--debug`` (or ``HYDRA_FULL_ERROR=1``) shows the full traceback instead.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
+
+from fledge.core.errors import FledgeError
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -33,29 +39,41 @@ class Stage:
     """False for plain commands that parse their own arguments (``fledge export check PATH``)."""
 
 
-# Sub-command -> stage. Two-word commands (``bench cache``) are keyed by their joined name.
+# Sub-command -> stage. Two-word commands (``bench cache``) are keyed by their joined name. Each stage's job lives in
+# the package of its layer; this table is the only place that knows them all.
 STAGES: dict[str, Stage] = {
     "regenerate": Stage(
-        "data.regenerate:RegenerateJobConfig", "data.regenerate:run", "answer the training prompts with the verifier"
+        "fledge.data.regenerate:RegenerateJobConfig", "fledge.data.regenerate:run",
+        "answer the training prompts with the verifier",
     ),
-    "cache": Stage("data.cache_job:CacheJobConfig", "data.cache_job:run", "cache the verifier's hidden states"),
+    "cache": Stage(
+        "fledge.data.cache_job:CacheJobConfig", "fledge.data.cache_job:run", "cache the verifier's hidden states"
+    ),
     "bench_cache": Stage(
-        "data.cache_bench:CacheBenchConfig", "data.cache_bench:run", "cache throughput against a bare forward"
+        "fledge.data.cache_bench:CacheBenchConfig", "fledge.data.cache_bench:run",
+        "cache throughput against a bare forward",
     ),
-    "train": Stage("train.config:TrainJobConfig", "train.loop:run", "train an EAGLE-3 draft"),
-    "bench_train": Stage("train.bench:TrainBenchConfig", "train.bench:run", "training throughput and MFU"),
-    "eval": Stage("launch.eval_job:EvalJobConfig", "launch.eval_job:run", "τ, n-α and speed-up through the real loop"),
+    "train": Stage("fledge.train.loop:TrainJobConfig", "fledge.train.loop:run", "train an EAGLE-3 draft"),
+    "bench_train": Stage(
+        "fledge.train.bench:TrainBenchConfig", "fledge.train.bench:run", "training throughput and MFU"
+    ),
+    "eval": Stage(
+        "fledge.eval.eval_job:EvalJobConfig", "fledge.eval.eval_job:run", "τ, n-α and speed-up through the real loop"
+    ),
     "tune": Stage(
-        "launch.tune_job:TuneJobConfig", "launch.tune_job:run", "recommend N or a tree from measured α and cost, then measure it"
+        "fledge.eval.tune_job:TuneJobConfig", "fledge.eval.tune_job:run",
+        "recommend N or a tree from measured α and cost, then measure it",
     ),
     "eval_exactness": Stage(
-        "launch.exactness_job:ExactnessJobConfig", "launch.exactness_job:run", "speculative sampling = verifier sampling"
+        "fledge.eval.exactness_job:ExactnessJobConfig", "fledge.eval.exactness_job:run",
+        "speculative sampling = verifier sampling",
     ),
     "quickstart": Stage(
-        "launch.quickstart:QuickstartConfig", "launch.quickstart:main", "cache -> train -> eval -> export", hydra=False
+        "fledge.launch.quickstart:QuickstartConfig", "fledge.launch.quickstart:main",
+        "cache -> train -> eval -> export", hydra=False,
     ),
-    "export": Stage("launch.export_job:ExportJobConfig", "launch.export_job:run", "write a serving checkpoint"),
-    "export_check": Stage("", "launch.export_job:check_main", "validate any EAGLE-3 checkpoint", hydra=False),
+    "export": Stage("fledge.export.job:ExportJobConfig", "fledge.export.job:run", "write a serving checkpoint"),
+    "export_check": Stage("", "fledge.export.job:check_main", "validate any EAGLE-3 checkpoint", hydra=False),
 }
 
 
@@ -90,30 +108,92 @@ def run_stage(name: str, overrides: list[str]) -> Any:
     return _load(STAGES[name].run)(compose_config(name, overrides))
 
 
+def command_name(name: str) -> str:
+    return f"fledge {name.replace('_', ' ')}"
+
+
+def config_error_line(error: BaseException) -> str | None:
+    """One line for an error Hydra or OmegaConf raise while composing a config (a misspelt key, a value of the
+    wrong type, an unknown preset); None for anything else."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    if not isinstance(error, (HydraException, OmegaConfBaseException)):
+        return None
+    # Hydra adds "To append to your config use +key=value": a misspelt key is the likelier cause.
+    lines = [ln.strip() for ln in str(error).splitlines() if ln.strip() and not ln.strip().startswith("To append")]
+    cause = error.__cause__
+    if cause is not None:
+        lines += [ln.strip() for ln in str(cause).splitlines()[:1] if ln.strip()]
+    return "; ".join(lines)
+
+
+def fail(name: str, reason: str) -> None:
+    """Print the one-line error of a stage and exit with status 2."""
+    print(f"{command_name(name)}: error: {reason}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def _debugging() -> bool:
+    return os.environ.get("HYDRA_FULL_ERROR") == "1"
+
+
+def _overrides_to_check(argv: list[str]) -> list[str] | None:
+    """The plain ``key=value`` overrides of a single run, to compose before Hydra does; None when Hydra's own
+    flags (``--cfg``, ``--help``, ``-m``, ...) ask for something else than a run."""
+    if any(a.startswith("-") for a in argv):
+        return None
+    return [a for a in argv if not a.startswith(("hydra.", "hydra/", "+hydra", "~hydra"))]
+
+
 def _hydra_main(name: str, argv: list[str]) -> None:
     import hydra
     from omegaconf import OmegaConf
 
     stage = STAGES[name]
+    overrides = _overrides_to_check(argv)
+    if overrides is not None and not _debugging():
+        # Compose once ourselves: Hydra would report a bad override with a stack summary and exit status 1.
+        try:
+            compose_config(name, overrides)
+        except FledgeError as e:
+            fail(name, e.one_line())
+        except Exception as e:
+            line = config_error_line(e)
+            if line is None:
+                raise
+            fail(name, f"{line} (fix: check the key and its value; `{command_name(name)} --cfg job` prints them all)")
     register_schema(name, _load(stage.config))
 
     @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name=name)
     def app(cfg) -> None:
-        _load(stage.run)(OmegaConf.to_object(cfg))
+        try:
+            _load(stage.run)(OmegaConf.to_object(cfg))
+        except FledgeError as e:
+            if _debugging():
+                raise
+            fail(name, e.one_line())
 
-    sys.argv = [f"fledge {name.replace('_', ' ')}", *argv]
+    sys.argv = [command_name(name), *argv]
     app()
 
 
 def _usage() -> str:
-    lines = ["usage: fledge <command> [key=value ...]   (Hydra overrides; --help on a command shows its config)", ""]
+    lines = [
+        "usage: fledge [--debug] <command> [key=value ...]   (Hydra overrides; --help on a command shows its config)",
+        "",
+    ]
     for name, stage in STAGES.items():
         lines.append(f"  {name.replace('_', ' '):<18} {stage.help}")
+    lines += ["", "A known error prints one line and exits 2; --debug (or HYDRA_FULL_ERROR=1) shows the traceback."]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--debug" in argv:
+        argv.remove("--debug")
+        os.environ["HYDRA_FULL_ERROR"] = "1"
     logging.basicConfig(level=os.environ.get("FLEDGE_LOG", "INFO"), format="%(levelname)s %(name)s: %(message)s")
     if not argv or argv[0] in {"-h", "--help", "help"}:
         print(_usage())
@@ -125,10 +205,22 @@ def main(argv: list[str] | None = None) -> None:
         print(f"fledge: unknown command {' '.join(argv[:2])!r}\n\n{_usage()}", file=sys.stderr)
         raise SystemExit(2)
     stage = STAGES[name]
-    if not stage.hydra:
-        fn: Callable[[list[str]], int | None] = _load(stage.run)
-        raise SystemExit(fn(rest) or 0)
-    _hydra_main(name, rest)
+    if stage.hydra:
+        _hydra_main(name, rest)
+        return
+    fn: Callable[[list[str]], int | None] = _load(stage.run)
+    try:
+        code = fn(rest)
+    except FledgeError as e:
+        if _debugging():
+            raise
+        fail(name, e.one_line())
+    except Exception as e:
+        line = None if _debugging() else config_error_line(e)
+        if line is None:
+            raise
+        fail(name, line)
+    raise SystemExit(code or 0)
 
 
 if __name__ == "__main__":

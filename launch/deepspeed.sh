@@ -43,4 +43,4 @@ cd "$ROOT"
 if [[ $("$PYTHON" -c 'import torch; print(int(torch.cuda.is_available()))') == 0 ]]; then
   export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
 fi
-exec "$DEEPSPEED" "${args[@]}" --module launch.cli train engine.kind=deepspeed "$@"
+exec "$DEEPSPEED" "${args[@]}" --module fledge.launch.cli train engine.kind=deepspeed "$@"

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eval.runner import report_table
+from fledge.core.errors import ConfigError
+from fledge.eval.runner import report_table
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +28,9 @@ STAGE_ORDER = ("regenerate", "cache", "train", "eval", "export")
 class QuickstartConfig:
     run_dir: str = "runs/quickstart"
     """Everything the quickstart writes goes under this folder."""
-    stages: list[str] = field(default_factory=lambda: list(STAGE_ORDER))
-    """Which stages to run, in pipeline order."""
+    stages: list[str] = field(default_factory=lambda: ["cache", "train", "eval", "export"])
+    """Which stages to run, in pipeline order. ``regenerate`` in front trains on the verifier's own answers to the
+    same prompts (the cache then reads them instead of ShareGPT's); it costs ~11 min more on a 2-core CPU."""
     regenerate: list[str] = field(default_factory=list)
     """Overrides for ``fledge regenerate``; its output becomes the cache's ``data.source``."""
     cache: list[str] = field(default_factory=list)
@@ -45,7 +47,7 @@ class QuickstartConfig:
     def __post_init__(self) -> None:
         unknown = [s for s in self.stages if s not in STAGE_ORDER]
         if unknown:
-            raise ValueError(f"quickstart.stages: unknown {unknown}; choose from {list(STAGE_ORDER)}")
+            raise ConfigError(f"quickstart.stages: unknown {unknown}; choose from {list(STAGE_ORDER)}")
 
 
 def _stamp(overrides: list[str]) -> str:
@@ -53,7 +55,7 @@ def _stamp(overrides: list[str]) -> str:
 
 
 def run_pipeline(cfg: QuickstartConfig) -> dict[str, Any]:
-    from launch.cli import compose_config, run_stage
+    from fledge.launch.cli import compose_config, run_stage
 
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -116,7 +118,7 @@ def split_argv(argv: list[str]) -> tuple[list[str], dict[str, list[str]]]:
 
 def main(argv: list[str]) -> int:
     """``fledge quickstart [run_dir=...] [cache:data.max_conversations=200] [train:train.epochs=3] ...``"""
-    from launch.cli import compose_config
+    from fledge.launch.cli import compose_config
 
     own, extra = split_argv(argv)
     cfg: QuickstartConfig = compose_config("quickstart", own)

@@ -35,4 +35,4 @@ cd "$ROOT"
 if [[ $("$PYTHON" -c 'import torch; print(int(torch.cuda.is_available()))') == 0 ]]; then
   export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
 fi
-exec "$PYTHON" -m torch.distributed.run "${args[@]}" -m launch.cli "${STAGE:-train}" "$@"
+exec "$PYTHON" -m torch.distributed.run "${args[@]}" -m fledge.launch.cli "${STAGE:-train}" "$@"

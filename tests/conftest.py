@@ -51,7 +51,7 @@ def tiny_hf_config(arch: str, vocab_size: int, layers: int = 8, hidden: int = 32
 
 @pytest.fixture(scope="session")
 def smollm_tokenizer():
-    from models.verifier import VerifierConfig, load_tokenizer
+    from fledge.models.verifier import VerifierConfig, load_tokenizer
 
     return load_tokenizer(VerifierConfig())
 
@@ -80,9 +80,9 @@ def write_random_draft_run(run_dir: Path, verifier_dir: Path, seed: int):
     """A training run folder holding a random-init EAGLE-3 draft for a tiny verifier, as ``fledge train`` leaves it.
 
     Returns (verifier, draft); the draft's vocabulary is the verifier's whole vocabulary."""
-    from models.draft import Eagle3Config, Eagle3Draft
-    from models.verifier import VerifierConfig, load_verifier
-    from train.checkpoint import write_final_draft
+    from fledge.models.draft import Eagle3Config, Eagle3Draft
+    from fledge.models.draft_folder import write_final_draft
+    from fledge.models.verifier import VerifierConfig, load_verifier
 
     verifier = load_verifier(VerifierConfig(name_or_path=str(verifier_dir), dtype="float32"))
     config = Eagle3Config.from_verifier(verifier.model.config, draft_vocab_size=len(verifier.tokenizer),
@@ -91,6 +91,10 @@ def write_random_draft_run(run_dir: Path, verifier_dir: Path, seed: int):
     draft.load_verifier_embedding(verifier.model.get_input_embeddings().weight.detach())
     write_final_draft(run_dir, draft.trainable_state_dict(), config, {"verifier": {"path": str(verifier_dir)}})
     return verifier, draft
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line]
 
 
 WORDS = "the a of to and in is it you that he was for on are with as I his they be at one have this from".split()

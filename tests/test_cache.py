@@ -13,12 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_tiny_verifier, write_sharegpt_jsonl
 from safetensors.torch import load_file
 
-from data.cache import CacheError, CacheReader, plan_shards
-from launch.cli import run_stage
-
-from conftest import make_tiny_verifier, write_sharegpt_jsonl
+from fledge.data.cache import CacheError, CacheReader, plan_shards
+from fledge.launch.cli import run_stage
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -43,10 +42,10 @@ def cache_overrides(verifier_dir: Path, source: Path, cache_dir: Path, **extra: 
 def run_cli(overrides: list[str], env: dict[str, str] | None = None, nproc: int = 1, check: bool = True):
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     if nproc == 1:
-        cmd = [sys.executable, "-m", "launch.cli", "cache", *overrides]
+        cmd = [sys.executable, "-m", "fledge.launch.cli", "cache", *overrides]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port=29533",
-               "-m", "launch.cli", "cache", *overrides]
+               "-m", "fledge.launch.cli", "cache", *overrides]
     proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=300)
     if check and proc.returncode != 0:
         raise AssertionError(f"{cmd} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -118,7 +117,7 @@ def test_killed_run_resumes_to_identical_shards(built, tiny_verifier_dir, tmp_pa
 def test_kill_minus_nine_at_a_random_moment(built, tiny_verifier_dir, tmp_path):
     source, clean = built
     cache_dir = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "launch.cli", "cache", *cache_overrides(tiny_verifier_dir, source, cache_dir)]
+    cmd = [sys.executable, "-m", "fledge.launch.cli", "cache", *cache_overrides(tiny_verifier_dir, source, cache_dir)]
     proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
@@ -144,12 +143,12 @@ def test_damaged_shard_is_detected(built, tmp_path):
 
 
 def test_mismatched_verifier_is_refused(built, tmp_path_factory, smollm_tokenizer, tiny_verifier_dir):
-    from data.cache import CacheIdentity
+    from fledge.data.cache import CacheIdentity
 
     _, cache_dir = built
     reader = CacheReader(cache_dir)
     other = make_tiny_verifier(tmp_path_factory.mktemp("other"), "llama", smollm_tokenizer, seed=1)
-    from models.verifier import weight_fingerprint
+    from fledge.models.verifier import weight_fingerprint
 
     expect = CacheIdentity(**{**reader.identity.__dict__, "verifier_fingerprint": weight_fingerprint(other)})
     with pytest.raises(CacheError, match="verifier_fingerprint"):

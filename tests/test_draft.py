@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from models.draft import DraftKVCache, Eagle3Config, Eagle3Draft, rope_inv_freq
+from fledge.models.draft import DraftKVCache, Eagle3Config, Eagle3Draft, rope_inv_freq
 
 SERVING_KEYS = {
     "fc.weight",

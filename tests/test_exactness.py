@@ -9,12 +9,13 @@ import math
 import pytest
 import torch
 
-import eval.chain
-import eval.tree
-from eval.drafters import RandomDrafter
-from eval.exactness import chi2_critical, chi_square, exactness_check, random_eagle_factory, tiny_verifier
-from eval.proposals import TreeShape, grow_tree, propose_chain_with
-from eval.sampling import SamplingParams, leviathan_accept, multi_candidate_accept, sample, target_probs
+import fledge.eval.chain
+import fledge.eval.tree
+from fledge.eval.drafters import RandomDrafter
+from fledge.eval.exactness import chi2_critical, chi_square, exactness_check, random_eagle_factory, tiny_verifier
+from fledge.eval.proposals import TreeShape, grow_tree, propose_chain_with
+from fledge.eval.sampling import leviathan_accept, multi_candidate_accept
+from fledge.models.sampling import SamplingParams, sample, target_probs
 
 VOCAB = 16
 PROMPT = torch.tensor([1, 5, 7, 2])
@@ -198,14 +199,14 @@ def test_tree_loop_is_exact(verifier, draft, sampled_children, sampling):
 
 
 def test_check_fails_a_broken_chain_rule(verifier, monkeypatch):
-    monkeypatch.setattr(eval.chain, "leviathan_accept", broken_leviathan)
+    monkeypatch.setattr(fledge.eval.chain, "leviathan_accept", broken_leviathan)
     report = exactness_check(verifier, sharp_draft(verifier), "chain", RUNS, prompt_ids=PROMPT, sampling=SAMPLING)
     print(report.describe())
     assert not report.passed
 
 
 def test_check_fails_a_broken_tree_rule(verifier, monkeypatch):
-    monkeypatch.setattr(eval.tree, "multi_candidate_accept", broken_multi_candidate)
+    monkeypatch.setattr(fledge.eval.tree, "multi_candidate_accept", broken_multi_candidate)
     shape = TreeShape(depth=3, top_k=3, total_tokens=8, sampled_children=False)
     report = exactness_check(verifier, sharp_draft(verifier), "tree", 200, prompt_ids=PROMPT, sampling=SAMPLING,
                              tree_shape=shape)

@@ -9,12 +9,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from launch.export_job import ExportJobConfig, default_out_dir, run
-from models.draft import DraftKVCache, Eagle3Config, Eagle3Draft
-from models.export import export_draft, load_exported, speculators_dir, tau_from_report
-from models.export_check import check_checkpoint
-from models.verifier import load_embed_and_head, weight_fingerprint
-from train.checkpoint import load_draft, write_draft, write_final_draft
+from fledge.export.check import check_checkpoint
+from fledge.export.job import ExportJobConfig, default_out_dir, run
+from fledge.export.write import export_draft, speculators_dir, tau_from_report
+from fledge.models.draft import DraftKVCache, Eagle3Config, Eagle3Draft
+from fledge.models.draft_folder import load_draft, write_draft, write_final_draft
+from fledge.models.serving import load_exported
+from fledge.models.verifier import load_embed_and_head, weight_fingerprint
 
 V, H, LAYERS, DRAFT_V = 300, 32, 8, 64
 AUX = [2, 4, 5]
@@ -155,7 +156,9 @@ def test_serving_config_and_tensors(run_dir, verifier_dir, tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["model_type"] == "llama"
     assert config["num_hidden_layers"] == 1 and config["tie_word_embeddings"] is False
-    assert (config["hidden_size"], config["target_hidden_size"], config["head_dim"]) == (H, H, H // 4)
+    assert (config["hidden_size"], config["head_dim"]) == (H, H // 4)
+    # Equal to hidden_size, so left out: the official EAGLE code would otherwise expect a shipped embedding.
+    assert "target_hidden_size" not in config
     assert (config["num_attention_heads"], config["num_key_value_heads"], config["intermediate_size"]) == (4, 2, 2 * H)
     assert (config["vocab_size"], config["draft_vocab_size"]) == (V, DRAFT_V)
     assert config["eagle_aux_hidden_state_layer_ids"] == AUX
@@ -317,7 +320,7 @@ def test_model_card_from_a_report(run_dir, tmp_path):
 
 
 def test_default_out_dir(run_dir):
-    from train.checkpoint import draft_folder
+    from fledge.models.draft_folder import draft_folder
 
     assert default_out_dir(draft_folder(run_dir)) == run_dir / "serving"
     step = run_dir / "checkpoints" / "step-000010"
@@ -327,7 +330,7 @@ def test_default_out_dir(run_dir):
 def test_cli_composes_and_dispatches(run_dir, verifier_dir, tmp_path, capsys):
     from hydra.errors import ConfigCompositionException
 
-    from launch.cli import compose_config, main, run_stage
+    from fledge.launch.cli import compose_config, main, run_stage
 
     cfg = compose_config("export", [f"checkpoint={run_dir}", "dtype=float32", "speculators=true"])
     assert isinstance(cfg, ExportJobConfig) and cfg.dtype == "float32" and cfg.speculators
@@ -346,7 +349,7 @@ def test_cache_train_export_check_import(tmp_path, smollm_tokenizer):
     """The whole pipeline on a tiny verifier: fledge cache -> fledge train (2 steps) -> fledge export -> check -> import."""
     from conftest import make_tiny_verifier, write_sharegpt_jsonl
 
-    from launch.cli import run_stage
+    from fledge.launch.cli import run_stage
 
     vdir = make_tiny_verifier(tmp_path, "llama", smollm_tokenizer)
     convs = write_sharegpt_jsonl(tmp_path / "convs.jsonl", 16)

@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from launch.export_job import check_main
-from models.draft import Eagle3Config, Eagle3Draft
-from models.export import export_draft
-from models.export_check import check_checkpoint, looks_like_indices
-from models.verifier import load_embed_and_head
+from fledge.export.check import check_checkpoint, looks_like_indices
+from fledge.export.job import check_main
+from fledge.export.write import export_draft
+from fledge.models.draft import Eagle3Config, Eagle3Draft
+from fledge.models.verifier import load_embed_and_head
 
 V, H, LAYERS, DRAFT_V = 300, 32, 8, 64
 AUX = [2, 4, 5]
@@ -171,8 +171,8 @@ def test_embedding_checks_need_the_verifier(clean, verifier_dir, tmp_path):
 
 def test_speculators_format_without_norm_flag(clean, verifier_dir, tmp_path):
     """vLLM reads an absent norm_before_residual as true in the speculators format: a different network."""
-    from models.export import speculators_config
-    from models.export_check import read_serving_checkpoint
+    from fledge.export.write import speculators_config
+    from fledge.models.serving import read_serving_checkpoint
 
     spec = tmp_path / "spec"
     spec.mkdir()

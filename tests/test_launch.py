@@ -61,12 +61,12 @@ def test_sbatch_runs_each_stage_on_every_node_then_eval_and_export_once(tmp_path
             call = dist[2 * i + node]
             assert call.startswith(f"node_rank={node} -m torch.distributed.run --nproc_per_node {procs} --nnodes 2 "
                                    f"--node_rank {node} --rdzv_backend c10d --rdzv_endpoint gpu-node-a:29500 "
-                                   f"--rdzv_id 4242-{stage} -m launch.cli {stage} ")
+                                   f"--rdzv_id 4242-{stage} -m fledge.launch.cli {stage} ")
             assert call.endswith("preset=llama3.3-70b-instruct train.lr=2e-4")
     single = [c for c in calls if "torch.distributed.run" not in c]
     assert single == [
-        "node_rank= -m launch.cli eval preset=llama3.3-70b-instruct train.lr=2e-4",
-        "node_rank= -m launch.cli export preset=llama3.3-70b-instruct train.lr=2e-4",
+        "node_rank= -m fledge.launch.cli eval preset=llama3.3-70b-instruct train.lr=2e-4",
+        "node_rank= -m fledge.launch.cli export preset=llama3.3-70b-instruct train.lr=2e-4",
     ]
 
 
@@ -74,8 +74,8 @@ def test_sbatch_on_one_node_uses_a_standalone_rendezvous_and_chosen_stages(tmp_p
     proc, calls = run_sbatch(tmp_path, ["preset=qwen3-8b"], SLURM_NNODES="1", STAGES="cache train", GPUS_PER_NODE="4")
     assert proc.returncode == 0, proc.stderr
     assert calls == [
-        "node_rank=0 -m torch.distributed.run --nproc_per_node 4 --standalone -m launch.cli cache preset=qwen3-8b",
-        "node_rank=0 -m torch.distributed.run --nproc_per_node 4 --standalone -m launch.cli train preset=qwen3-8b",
+        "node_rank=0 -m torch.distributed.run --nproc_per_node 4 --standalone -m fledge.launch.cli cache preset=qwen3-8b",
+        "node_rank=0 -m torch.distributed.run --nproc_per_node 4 --standalone -m fledge.launch.cli train preset=qwen3-8b",
     ]
 
 
@@ -102,6 +102,6 @@ def test_deepspeed_launcher_with_a_hostfile_hands_fledge_variables_to_every_host
                           env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     lines = log.read_text().splitlines()
-    assert lines[0] == (f"--no_local_rank --master_port 29500 --hostfile {hostfile} --num_gpus 8 --module launch.cli "
+    assert lines[0] == (f"--no_local_rank --master_port 29500 --hostfile {hostfile} --num_gpus 8 --module fledge.launch.cli "
                         "train engine.kind=deepspeed preset=llama3.3-70b-instruct")
     assert "FLEDGE_RUNS=/shared/runs" in lines[1:] and "WANDB_MODE=online" in lines[1:]

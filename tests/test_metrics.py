@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from eval.metrics import (
+from fledge.eval.metrics import (
     AcceptanceTrace,
     acceptance_histogram,
     acceptance_rate,

@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import write_sharegpt_jsonl
 from hydra.errors import ConfigCompositionException
 
-from launch.cli import CONF_DIR, STAGES, compose_config, main
-from launch.quickstart import QuickstartConfig, run_pipeline, split_argv
-
-from conftest import write_sharegpt_jsonl
+from fledge.launch.cli import CONF_DIR, STAGES, compose_config, main
+from fledge.launch.quickstart import QuickstartConfig, run_pipeline, split_argv
 
 
 def shipped_configs() -> list[str]:
@@ -99,6 +98,7 @@ def test_quickstart_pipeline_on_a_tiny_verifier(tmp_path, tiny_verifier_dir):
     verifier = f"verifier.name_or_path={tiny_verifier_dir}"
     cfg = QuickstartConfig(
         run_dir=str(run),
+        stages=["regenerate", "cache", "train", "eval", "export"],
         regenerate=[verifier, "verifier.dtype=float32", f"data.source={source}", "data.max_length=128",
                     f"regenerate.out_dir={run}/regen", "regenerate.max_new_tokens=24", "regenerate.device=cpu"],
         cache=[f"cache.dir={run}/cache", verifier, "verifier.dtype=float32", f"data.source={source}",
@@ -135,7 +135,7 @@ def main_exit(argv: list[str]) -> int:
 
 
 def test_exactness_command_runs_the_real_loops(capsys):
-    from launch.cli import run_stage
+    from fledge.launch.cli import run_stage
 
     assert run_stage("eval_exactness", ["n_runs=150", "methods=[tree]", "drafts=[eagle]", "top_p=0.9"])
     out = capsys.readouterr().out

@@ -10,13 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from data.regenerate import RegenerateError, RegenerateOptions, generate_batch
-from data.sources import DataConfig, load_conversations
-from launch.cli import run_stage
-from models.verifier import VerifierConfig, load_verifier
-
 from conftest import write_sharegpt_jsonl
+
+from fledge.data.regenerate import RegenerateError, RegenerateOptions, generate_batch
+from fledge.data.sources import DataConfig, load_conversations
+from fledge.launch.cli import run_stage
+from fledge.models.verifier import VerifierConfig, load_verifier
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -161,7 +160,7 @@ def test_answers_never_pass_max_length_and_first_turn_only(tmp_path, tiny_verifi
 def run_cli(overrides: list[str], env: dict[str, str] | None = None, nproc: int = 1):
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port=29541"]
-    cmd = [sys.executable, *launcher, "-m", "launch.cli", "regenerate", *overrides]
+    cmd = [sys.executable, *launcher, "-m", "fledge.launch.cli", "regenerate", *overrides]
     return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=300)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from data.sources import (
+from fledge.data.sources import (
     DataConfig,
     DataError,
     JsonArrayStream,
@@ -16,11 +16,16 @@ from data.sources import (
     load_conversations,
     load_prompts,
     normalise_record,
-    recover_json_array,
     sharegpt_path,
 )
 
-SHAREGPT_RECORDS = 17_671  # complete records before the cut in the wheel's file (DESIGN.md; verified here)
+SHAREGPT_RECORDS = 17_671  # complete records before the cut in the wheel's file (docs/design.md; verified here)
+
+
+def recover_json_array(path):
+    """(every complete element of the JSON array in ``path``, whether the file was cut off before it closed)."""
+    stream = JsonArrayStream(path, progress=False)
+    return list(stream), stream.truncated
 
 
 def sharegpt(*turns: tuple[str, str], **extra) -> dict:

@@ -9,21 +9,20 @@ import random
 
 import pytest
 import torch
-
-from eval.chain import generate_chain
-from eval.drafters import EagleDrafter, PromptLookupDrafter, RandomDrafter
-from eval.exactness import tiny_verifier
-from eval.proposals import TreeShape, grow_tree, propose_chain_with
-from eval.runner import EvalConfig, evaluate
-from eval.sampling import SamplingParams
-from eval.tree import generate_tree, tree_attention_mask
-from eval.verifier_state import VerifierState, generate_plain
-from models.capture import capture_hidden
-from models.draft import Eagle3Config, Eagle3Draft
-from models.export import tau_from_report
-from models.verifier import VerifierConfig, load_verifier
-
 from conftest import write_random_draft_run
+
+from fledge.eval.chain import generate_chain
+from fledge.eval.drafters import EagleDrafter, PromptLookupDrafter, RandomDrafter
+from fledge.eval.exactness import tiny_verifier
+from fledge.eval.proposals import TreeShape, grow_tree, propose_chain_with
+from fledge.eval.runner import EvalConfig, evaluate
+from fledge.eval.tree import generate_tree, tree_attention_mask
+from fledge.eval.verifier_state import VerifierState, generate_plain
+from fledge.export.write import tau_from_report
+from fledge.models.capture import capture_hidden
+from fledge.models.draft import Eagle3Config, Eagle3Draft
+from fledge.models.sampling import SamplingParams
+from fledge.models.verifier import VerifierConfig, load_verifier
 
 VOCAB = 256
 
@@ -365,8 +364,8 @@ def test_evaluate_reports_lossless_drafters(tiny_verifier_dir, tmp_path):
 
 def test_load_eagle_drafter_from_training_and_serving_checkpoints(tiny_verifier_dir, tmp_path):
     """Both checkpoint kinds load into an EagleDrafter that proposes exactly what the original draft proposes."""
-    from eval.runner import load_eagle_drafter
-    from models.export import export_draft
+    from fledge.eval.runner import load_eagle_drafter
+    from fledge.export.write import export_draft
 
     verifier, draft = write_random_draft_run(tmp_path / "run", tiny_verifier_dir, seed=3)
     export_draft(draft, tiny_verifier_dir, tmp_path / "serving", dtype="float32")

@@ -12,16 +12,16 @@ from pathlib import Path
 
 import pytest
 
-import data.template as template
-from data.sources import DataConfig, load_conversations
-from data.template import (
+import fledge.data.template as template
+from fledge.data.sources import DataConfig, load_conversations
+from fledge.data.template import (
     Tokenized,
     check_loss_mask,
     end_of_turn_token,
     tokenize_all,
     tokenize_conversation,
 )
-from models.verifier import VerifierConfig, load_tokenizer
+from fledge.models.verifier import VerifierConfig, load_tokenizer
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
 FAMILIES = ["chatml", "llama3", "qwen2_5", "qwen3", "mistral_v0_1", "mistral_v0_3"]

@@ -6,11 +6,11 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from launch.cli import run_stage
-from train.bench import TrainBenchConfig, counted_positions, synthetic_batch, train_step_flops
-from train.engine import TTTModule
-from train.ttt import TTTConfig
-from models.draft import Eagle3Draft
+from fledge.launch.cli import run_stage
+from fledge.models.draft import Eagle3Draft
+from fledge.train.bench import TrainBenchConfig, counted_positions, synthetic_batch, train_step_flops
+from fledge.train.engine import TTTModule
+from fledge.train.ttt import TTTConfig
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
             target_hidden_size=48, vocab_size=512, draft_vocab_size=128, seq_len=24, ttt_steps=3)

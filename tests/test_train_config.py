@@ -8,10 +8,11 @@ import json
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from launch.cli import compose_config
-from train.bench import TrainBenchConfig
-from train.config import TrainConfig, TrainJobConfig
-from train.engine import EngineConfig, deepspeed_config, warmup_cosine
+from fledge.launch.cli import compose_config
+from fledge.train.bench import TrainBenchConfig
+from fledge.train.config import TrainConfig
+from fledge.train.engine import EngineConfig, deepspeed_config, warmup_cosine
+from fledge.train.loop import TrainJobConfig
 
 
 def test_shipped_configs_compose():

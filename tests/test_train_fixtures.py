@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import torch
-
 from conftest import make_tiny_verifier, write_sharegpt_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
@@ -26,7 +25,7 @@ def peaked_verifier(root: Path, tokenizer, corpus: Path) -> Path:
     next-token distribution is peaked: near-ties of a flat teacher would cap the draft's top-1 agreement."""
     from transformers import AutoModelForCausalLM
 
-    from data.template import tokenize_conversation
+    from fledge.data.template import tokenize_conversation
 
     out = root / "peaked-llama"
     if (out / "config.json").is_file():
@@ -51,7 +50,7 @@ def peaked_verifier(root: Path, tokenizer, corpus: Path) -> Path:
 
 def build_cache(root: Path, tokenizer, conversations: int = 24, max_words: int = 30, draft_vocab: int = 64) -> Path:
     """A complete hidden-state cache of the peaked verifier (built once per directory)."""
-    from launch.cli import run_stage
+    from fledge.launch.cli import run_stage
 
     cache = root / f"cache-{conversations}-{max_words}-{draft_vocab}"
     if (cache / "manifest.json").is_file():
@@ -102,11 +101,11 @@ def cli_command(args: list[str], nproc: int = 1, launcher: str = "torchrun", por
     """``fledge train`` as a subprocess command: plain, ``torchrun --nproc_per_node``, or the ``deepspeed`` launcher."""
     if launcher == "deepspeed":
         return [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(nproc), "--no_local_rank",
-                "--master_port", str(port), "--module", "launch.cli", "train", *args]
+                "--master_port", str(port), "--module", "fledge.launch.cli", "train", *args]
     if nproc == 1:
-        return [sys.executable, "-m", "launch.cli", "train", *args]
+        return [sys.executable, "-m", "fledge.launch.cli", "train", *args]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", "launch.cli", "train", *args]
+            "-m", "fledge.launch.cli", "train", *args]
 
 
 def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -126,9 +125,9 @@ def run_cli(
 
 
 def test_peaked_verifier_predicts_inside_the_draft_vocab(tmp_path_factory, smollm_tokenizer):
-    from data.cache import CacheReader
-    from models.verifier import load_embed_and_head
-    from train.ttt import teacher_targets
+    from fledge.data.cache import CacheReader
+    from fledge.models.verifier import load_embed_and_head
+    from fledge.train.ttt import teacher_targets
 
     cache = build_cache(shared_root(tmp_path_factory), smollm_tokenizer)
     reader = CacheReader(cache)

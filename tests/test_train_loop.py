@@ -10,13 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import read_jsonl
 from safetensors.torch import load_file
-
-from launch.cli import run_stage
-from train.checkpoint import complete_checkpoints, load_draft
-from train.logger import read_jsonl, read_wandb_history, tau_sim
-
 from test_train_fixtures import build_cache, shared_root, train_overrides
+from wandb_reader import read_wandb_history
+
+from fledge.launch.cli import run_stage
+from fledge.models.draft_folder import complete_checkpoints, load_draft
+from fledge.train.logger import tau_sim
 
 TRAIN_KEYS = {"loss", "ploss_0", "ploss_1", "ploss_2", "acc_0", "acc_1", "acc_2", "tau_sim", "lr", "grad_norm",
               "tokens_per_s", "skipped_steps"}
@@ -98,7 +99,7 @@ def test_load_draft_gives_the_final_weights(short_run, cache):
         for k, v in saved.items():
             assert torch.equal(state[k], v), k
     meta = json.loads((out / "draft" / "fledge.json").read_text())
-    from models.verifier import load_embed_and_head
+    from fledge.models.verifier import load_embed_and_head
 
     embed, _ = load_embed_and_head(Path(meta["verifier"]["path"]))
     assert torch.equal(draft.embed_tokens.weight, embed.float())
@@ -128,9 +129,9 @@ def test_resume_refuses_a_breaking_change_and_allows_a_longer_run(short_run, cac
 
 
 def test_non_finite_step_is_skipped_and_counted(cache, tmp_path, monkeypatch):
-    import train.sampler
+    import fledge.train.sampler
 
-    real = train.sampler.collate
+    real = fledge.train.sampler.collate
     calls = {"n": 0}
 
     def poisoned(samples, device="cpu"):
@@ -140,7 +141,7 @@ def test_non_finite_step_is_skipped_and_counted(cache, tmp_path, monkeypatch):
             batch["aux"][0, 0, 0] = float("nan")
         return batch
 
-    monkeypatch.setattr(train.sampler, "collate", poisoned)
+    monkeypatch.setattr(fledge.train.sampler, "collate", poisoned)
     out = tmp_path / "run"
     run_stage("train", train_overrides(cache, out, **{"train.max_steps": 3, "checkpoint.every": 1, "checkpoint.keep_last": 3}))
     records = {r["step"]: r for r in read_jsonl(out / "metrics.jsonl")}

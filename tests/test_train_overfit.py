@@ -6,11 +6,10 @@ Slow (~1-3 min on 2 shared cores); the fast smoke version is in test_train_loop.
 from __future__ import annotations
 
 import pytest
-
-from launch.cli import run_stage
-from train.logger import read_jsonl
-
+from conftest import read_jsonl
 from test_train_fixtures import build_cache, shared_root, train_overrides
+
+from fledge.launch.cli import run_stage
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from train.sampler import BucketSampler, DataPosition, bucket_batches, collate, eval_batches
+from fledge.train.sampler import BucketSampler, DataPosition, bucket_batches, collate, eval_batches
 
 LENGTHS = [int(x) for x in np.random.default_rng(0).integers(5, 300, size=203)]
 

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from models.capture import forward_hidden
-from models.draft import DraftKVCache, Eagle3Config, Eagle3Draft, ttt_attention
-from train.ttt import TTTConfig, shift_left, teacher_targets, ttt_forward, ttt_unroll
+from fledge.models.capture import forward_hidden
+from fledge.models.draft import DraftKVCache, Eagle3Config, Eagle3Draft, ttt_attention
+from fledge.train.ttt import TTTConfig, shift_left, teacher_targets, ttt_forward, ttt_unroll
 
 # float64 everywhere below except the overfit run: equalities hold to rounding, so the tolerance is tight.
 TOL = dict(rtol=1e-9, atol=1e-10)

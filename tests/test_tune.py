@@ -6,14 +6,20 @@ import json
 
 import pytest
 import torch
+from conftest import write_random_draft_run
 
-from eval.proposals import TreeShape
-from eval.tune import (
-    PLAIN, CostModel, candidates, chain_candidate, expected_tokens, measure_verify_cost, overhead_from_run, recommend,
+from fledge.eval.proposals import TreeShape
+from fledge.eval.tune import (
+    PLAIN,
+    CostModel,
+    candidates,
+    chain_candidate,
+    expected_tokens,
+    measure_verify_cost,
+    overhead_from_run,
+    recommend,
     tree_candidate,
 )
-
-from conftest import write_random_draft_run
 
 # α_1 = 0.5, α_2 = 0.4, depth 3 never reached.
 N_ALPHA = [0.5, 0.4, None]
@@ -79,7 +85,7 @@ def test_overhead_is_what_the_loop_pays_beyond_the_forward():
 
 
 def test_measure_verify_cost_on_a_tiny_verifier(tiny_verifier_dir):
-    from models.verifier import VerifierConfig, load_verifier
+    from fledge.models.verifier import VerifierConfig, load_verifier
 
     verifier = load_verifier(VerifierConfig(name_or_path=str(tiny_verifier_dir), dtype="float32"))
     v = measure_verify_cost(verifier.model, torch.arange(3, 20), [2, 5, 12], verifier.aux_layer_ids, repeats=1)
@@ -88,7 +94,7 @@ def test_measure_verify_cost_on_a_tiny_verifier(tiny_verifier_dir):
 
 
 def test_tune_command_end_to_end(tiny_verifier_dir, tmp_path, capsys):
-    from launch.cli import compose_config, run_stage
+    from fledge.launch.cli import compose_config, run_stage
 
     write_random_draft_run(tmp_path / "run", tiny_verifier_dir, seed=1)
     prompts = tmp_path / "prompts.jsonl"

@@ -6,9 +6,10 @@ import time
 
 import pytest
 import torch
+from conftest import TINY_ARCHS, make_tiny_verifier
 
-from models.capture import capture_hidden, forward_hidden
-from models.verifier import (
+from fledge.models.capture import capture_hidden, forward_hidden
+from fledge.models.verifier import (
     VerifierConfig,
     check_aux_layer_ids,
     default_aux_layer_ids,
@@ -18,8 +19,6 @@ from models.verifier import (
     resolve_verifier_dir,
     weight_fingerprint,
 )
-
-from conftest import TINY_ARCHS, make_tiny_verifier
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
@@ -110,7 +109,7 @@ def test_a_hub_id_resolves_to_its_snapshot_in_the_hf_cache_offline(tmp_path, mon
 
     import huggingface_hub.constants as hf
 
-    from models.verifier import resolve_verifier_dir
+    from fledge.models.verifier import resolve_verifier_dir
 
     monkeypatch.setattr(hf, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(hf, "HF_HUB_OFFLINE", True)

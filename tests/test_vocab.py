@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from data.template import Tokenized
-from data.vocab import (
+from fledge.data.template import Tokenized
+from fledge.data.vocab import (
     build_draft_vocab,
     check_draft_vocab,
     count_tokens,

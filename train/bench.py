@@ -25,11 +25,12 @@ from typing import Any
 
 import torch
 
-from launch.dist import DistInfo
-from models.draft import Eagle3Config, Eagle3Draft
-from train.config import TrainConfig
-from train.engine import EngineConfig, TorchEngine, TTTModule
-from train.ttt import TTTConfig
+from fledge.core.dist import DistInfo
+from fledge.core.errors import ConfigError
+from fledge.models.draft import Eagle3Config, Eagle3Draft
+from fledge.train.config import TrainConfig
+from fledge.train.engine import EngineConfig, TorchEngine, TTTModule
+from fledge.train.ttt import TTTConfig
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +65,9 @@ class TrainBenchConfig:
     def __post_init__(self) -> None:
         bad = [d for d in self.dtypes if d not in ("fp32", "bf16")]
         if bad or not self.dtypes:
-            raise ValueError(f"dtypes must be a non-empty list of 'fp32' / 'bf16', got {self.dtypes}")
+            raise ConfigError(f"dtypes must be a non-empty list of 'fp32' / 'bf16', got {self.dtypes}")
         if self.steps < 1 or self.warmup < 0 or self.seq_len < 4 or self.batch_size < 1:
-            raise ValueError("steps >= 1, warmup >= 0, seq_len >= 4 and batch_size >= 1 are required")
+            raise ConfigError("steps >= 1, warmup >= 0, seq_len >= 4 and batch_size >= 1 are required")
 
     def draft_config(self) -> Eagle3Config:
         return Eagle3Config(

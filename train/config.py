@@ -1,19 +1,17 @@
-"""The typed configuration of ``fledge train``: the root dataclass Hydra fills from ``conf/train.yaml``.
+"""The training loop's own knobs: optimizer, schedule, length, batch, numerics (``TrainConfig``), and the held-out
+evaluation during training (``HeldOutConfig``).
 
 Each component keeps its own small dataclass beside its code (``EngineConfig`` in engine.py, ``CheckpointConfig`` in
-checkpoint.py, ``LogConfig`` in logger.py, ``TTTConfig`` in ttt.py); the loop's own knobs (optimizer, schedule,
-batch) are ``TrainConfig`` here. Cross-field checks run once, in ``TrainJobConfig.__post_init__``.
+checkpoint.py, ``LogConfig`` in logger.py, ``TTTConfig`` in ttt.py). The root, ``TrainJobConfig``, composes them in
+loop.py, the stage itself; this module imports none of them, so that the engine can read ``TrainConfig`` without
+an import circle.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from train.checkpoint import CheckpointConfig
-from train.engine import EngineConfig
-from train.logger import LogConfig
-from train.ttt import TTTConfig
+from fledge.core.errors import ConfigError
 
 DTYPES = ("fp32", "bf16")
 
@@ -41,7 +39,7 @@ class TrainConfig:
     # ---- length of the run
     max_steps: int = 0
     """Optimizer steps to train for; when > 0 it decides the length of the run and ``epochs`` is ignored."""
-    epochs: float = 1.0
+    epochs: float = 3.0
     """Passes over the training conversations (fractions allowed); used when ``max_steps`` is 0."""
     # ---- batch
     micro_batch_size: int = 4
@@ -63,23 +61,23 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
-            raise ValueError(f"train.dtype must be one of {DTYPES}, got {self.dtype!r}")
+            raise ConfigError(f"train.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
-            raise ValueError(f"need 0 <= train.min_lr ({self.min_lr}) <= train.lr ({self.lr}) and train.lr > 0")
+            raise ConfigError(f"need 0 <= train.min_lr ({self.min_lr}) <= train.lr ({self.lr}) and train.lr > 0")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
-            raise ValueError(f"train.betas must be two numbers in [0, 1), got {self.betas}")
+            raise ConfigError(f"train.betas must be two numbers in [0, 1), got {self.betas}")
         if self.warmup_steps is not None and self.warmup_steps < 0:
-            raise ValueError(f"train.warmup_steps must be >= 0 or null, got {self.warmup_steps}")
+            raise ConfigError(f"train.warmup_steps must be >= 0 or null, got {self.warmup_steps}")
         if not 0.0 <= self.warmup_ratio < 1.0:
-            raise ValueError(f"train.warmup_ratio must lie in [0, 1), got {self.warmup_ratio}")
+            raise ConfigError(f"train.warmup_ratio must lie in [0, 1), got {self.warmup_ratio}")
         if self.clip_norm < 0:
-            raise ValueError(f"train.clip_norm must be >= 0 (0 = no clipping), got {self.clip_norm}")
+            raise ConfigError(f"train.clip_norm must be >= 0 (0 = no clipping), got {self.clip_norm}")
         if self.max_steps < 0 or self.epochs < 0:
-            raise ValueError("train.max_steps and train.epochs must be >= 0")
+            raise ConfigError("train.max_steps and train.epochs must be >= 0")
         if self.max_steps == 0 and self.epochs <= 0:
-            raise ValueError("train.max_steps is 0, so train.epochs must be > 0 (or set train.max_steps)")
+            raise ConfigError("train.max_steps is 0, so train.epochs must be > 0 (or set train.max_steps)")
         if self.micro_batch_size < 1 or self.max_tokens < 0 or self.grad_accum < 1:
-            raise ValueError(
+            raise ConfigError(
                 "train.micro_batch_size and train.grad_accum must be >= 1, train.max_tokens >= 0 "
                 f"(got {self.micro_batch_size}, {self.grad_accum}, {self.max_tokens})"
             )
@@ -89,10 +87,10 @@ class TrainConfig:
 
 
 @dataclass
-class EvalConfig:
-    every: int = 0
+class HeldOutConfig:
+    every: int = 500
     """Evaluate every N optimizer steps (and after the last one); 0 turns periodic eval off."""
-    holdout: int = 0
+    holdout: int = 20
     """Hold out the last N conversations of the training cache for eval (they are never trained on)."""
     cache_dir: str | None = None
     """A second cache to evaluate on instead of a held-out slice (same verifier and aux layers)."""
@@ -101,42 +99,4 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         if self.every < 0 or self.holdout < 0 or self.max_batches < 0:
-            raise ValueError("eval.every, eval.holdout and eval.max_batches must be >= 0")
-
-
-@dataclass
-class TrainJobConfig:
-    cache_dir: str = "runs/cache"
-    """The hidden-state cache built by ``fledge cache`` (it names the verifier, aux layers and draft vocabulary)."""
-    output_dir: str = "runs/train"
-    """Run directory: checkpoints/, metrics.jsonl, wandb/ and the final draft/."""
-    train: TrainConfig = field(default_factory=TrainConfig)
-    ttt: TTTConfig = field(default_factory=TTTConfig)
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    log: LogConfig = field(default_factory=LogConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-
-    def __post_init__(self) -> None:
-        if self.eval.holdout and self.eval.cache_dir:
-            raise ValueError(
-                "eval.holdout and eval.cache_dir are alternatives: evaluate on a held-out slice of the training "
-                "cache or on a second cache, not both"
-            )
-        if self.eval.every and not (self.eval.holdout or self.eval.cache_dir):
-            raise ValueError(
-                f"eval.every={self.eval.every} needs held-out data: set eval.holdout=N (the last N conversations "
-                "of the cache) or eval.cache_dir=PATH, or eval.every=0"
-            )
-        if self.engine.kind != "deepspeed" and self.engine.deepspeed_config:
-            raise ValueError(
-                f"engine.deepspeed_config is set but engine.kind={self.engine.kind!r}; use engine.kind=deepspeed"
-            )
-
-    @property
-    def checkpoint_dir(self) -> Path:
-        return Path(self.checkpoint.dir) if self.checkpoint.dir else Path(self.output_dir) / "checkpoints"
-
-    @property
-    def jsonl_path(self) -> Path:
-        return Path(self.log.jsonl) if self.log.jsonl else Path(self.output_dir) / "metrics.jsonl"
+            raise ConfigError("eval.every, eval.holdout and eval.max_batches must be >= 0")

@@ -23,17 +23,17 @@ import socket
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from launch.dist import DistInfo, dist_info
-from train.ttt import TTTConfig, ttt_forward
-
-if TYPE_CHECKING:
-    from train.config import TrainConfig
+from fledge.core.dist import DistInfo, backend_for, dist_info, pick_device
+from fledge.core.dist import init_process_group as join_process_group
+from fledge.core.errors import ConfigError
+from fledge.train.config import TrainConfig
+from fledge.train.ttt import TTTConfig, ttt_forward
 
 ENGINES = ("single", "ddp", "deepspeed")
 
@@ -55,9 +55,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.kind not in ENGINES:
-            raise ValueError(f"engine.kind must be one of {ENGINES}, got {self.kind!r}")
+            raise ConfigError(f"engine.kind must be one of {ENGINES}, got {self.kind!r}")
         if self.zero_stage not in (1, 2, 3):
-            raise ValueError(f"engine.zero_stage must be 1, 2 or 3, got {self.zero_stage}")
+            raise ConfigError(f"engine.zero_stage must be 1, 2 or 3, got {self.zero_stage}")
 
 
 class TTTModule(nn.Module):
@@ -112,18 +112,6 @@ def make_optimizer(
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
-def pick_device(cfg: EngineConfig, info: DistInfo) -> torch.device:
-    if cfg.device == "auto":
-        return torch.device(f"cuda:{info.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
-    return torch.device(cfg.device)
-
-
-def _backend(cfg: EngineConfig, device: torch.device) -> str:
-    if cfg.backend != "auto":
-        return cfg.backend
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -131,42 +119,29 @@ def _free_port() -> int:
 
 
 def init_process_group(cfg: EngineConfig) -> tuple[DistInfo, torch.device]:
-    """Join the process group that RANK / WORLD_SIZE describe; a plain single process joins none (except for
-    DeepSpeed, which always wants one: it gets a one-rank group on a free local port)."""
+    """Join the process group that RANK / WORLD_SIZE describe (``core.dist``); a plain single process joins none,
+    except for DeepSpeed, which always wants one: it gets a one-rank group on a free local port."""
     info = dist_info()
-    device = pick_device(cfg, info)
+    if cfg.kind != "deepspeed":
+        if info.distributed and cfg.kind == "single":
+            raise ConfigError(
+                f"launched with WORLD_SIZE={info.world_size} but engine.kind=single",
+                fix="use engine.kind=ddp or engine.kind=deepspeed",
+            )
+        return join_process_group(cfg.device, cfg.backend)
+    device = pick_device(cfg.device, info)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if cfg.kind == "deepspeed":
-        if device.type == "cpu":
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        if "WORLD_SIZE" not in os.environ:
-            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        import deepspeed
+    else:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if "WORLD_SIZE" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    import deepspeed
 
-        if not dist.is_initialized():
-            deepspeed.init_distributed(dist_backend=_backend(cfg, device), verbose=False)
-    elif info.world_size > 1 and not dist.is_initialized():
-        if cfg.kind == "single":
-            raise ValueError(
-                f"launched with WORLD_SIZE={info.world_size} but engine.kind=single; use engine.kind=ddp or deepspeed"
-            )
-        dist.init_process_group(backend=_backend(cfg, device))
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend=backend_for(device, cfg.backend), verbose=False)
     return info, device
-
-
-def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
-    """Sum a small tensor over ranks (a no-op in a single process)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        values = values.clone()
-        dist.all_reduce(values, op=dist.ReduceOp.SUM)
-    return values
-
-
-def barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
 
 
 class TorchEngine:
@@ -265,7 +240,7 @@ def deepspeed_config(train: TrainConfig, cfg: EngineConfig, world_size: int) -> 
     user = json.loads(Path(cfg.deepspeed_config).read_text())
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size", "gradient_clipping"):
         if key in user and user[key] != "auto" and user[key] != generated[key]:
-            raise ValueError(
+            raise ConfigError(
                 f"{cfg.deepspeed_config}: {key}={user[key]} disagrees with the training config ({generated[key]}, "
                 "from train.micro_batch_size / train.grad_accum / train.clip_norm and the world size); "
                 "remove it from the JSON or change train.*"

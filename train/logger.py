@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 import time
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from fledge.core.errors import ConfigError
 
 WANDB_MODES = ("offline", "online", "disabled")
 
@@ -40,9 +40,9 @@ class LogConfig:
 
     def __post_init__(self) -> None:
         if self.wandb_mode not in WANDB_MODES:
-            raise ValueError(f"log.wandb_mode must be one of {WANDB_MODES}, got {self.wandb_mode!r}")
+            raise ConfigError(f"log.wandb_mode must be one of {WANDB_MODES}, got {self.wandb_mode!r}")
         if self.every < 1:
-            raise ValueError(f"log.every must be >= 1, got {self.every}")
+            raise ConfigError(f"log.every must be >= 1, got {self.every}")
 
 
 def tau_sim(accs: list[float]) -> float:
@@ -121,60 +121,3 @@ class MetricsLogger:
             self.run.finish()
         if self.jsonl is not None:
             self.jsonl.close()
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line]
-
-
-# ------------------------------------------------------------------- reading an offline wandb run back
-
-_WANDB_IDENT = b":W&B"
-_BLOCK = 32768
-_HEADER = 7  # checksum u32, length u16, record type u8 (LevelDB log format, which wandb's .wandb files use)
-_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
-
-
-def read_wandb_records(path: Path) -> list[Any]:
-    """The protobuf records of a ``.wandb`` transaction log, decoded with wandb's own ``Record`` message.
-
-    wandb >= 0.19 dropped its Python reader (the Go core writes the file); the format is LevelDB's log: 32 KiB
-    blocks of checksummed chunks after a 7-byte file header, a record split over FIRST/MIDDLE/LAST chunks.
-    """
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data = Path(path).read_bytes()
-    ident, magic, version = struct.unpack("<4sHB", data[:_HEADER])
-    if ident != _WANDB_IDENT or magic != 0xBEE1 or version != 0:
-        raise ValueError(f"{path}: not a wandb transaction log (header {data[:_HEADER]!r})")
-    records, pending, pos = [], b"", _HEADER
-    while pos + _HEADER <= len(data):
-        left = _BLOCK - pos % _BLOCK
-        if left < _HEADER:  # a block tail too short for a chunk header is zero padding
-            pos += left
-            continue
-        checksum, length, kind = struct.unpack("<IHB", data[pos : pos + _HEADER])
-        if kind == 0 and length == 0:
-            pos += left
-            continue
-        chunk = data[pos + _HEADER : pos + _HEADER + length]
-        if zlib.crc32(chunk, zlib.crc32(bytes([kind]))) & 0xFFFFFFFF != checksum:
-            raise ValueError(f"{path}: corrupt chunk at byte {pos}")
-        pos += _HEADER + length
-        pending += chunk
-        if kind in (_FULL, _LAST):
-            record = pb.Record()
-            record.ParseFromString(pending)
-            records.append(record)
-            pending = b""
-    return records
-
-
-def read_wandb_history(run_dir: Path) -> list[dict[str, Any]]:
-    """The history rows (``run.log`` calls) of every offline wandb run under ``run_dir`` (oldest first)."""
-    rows = []
-    for path in sorted(Path(run_dir).glob("**/offline-run-*/run-*.wandb")):
-        for record in read_wandb_records(path):
-            if record.WhichOneof("record_type") == "history":
-                rows.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in record.history.item})
-    return rows

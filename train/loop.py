@@ -1,11 +1,12 @@
 """``fledge train``: the training loop of the EAGLE-3 draft, in one function that reads top to bottom.
 
     fledge train cache_dir=runs/cache output_dir=runs/train train.max_steps=2000
-    torchrun --nproc_per_node 2 -m launch.cli train engine.kind=ddp ...        (launch/torchrun.sh)
-    deepspeed --no_local_rank --module launch.cli train engine.kind=deepspeed ...  (launch/deepspeed.sh)
+    torchrun --nproc_per_node 2 -m fledge.launch.cli train engine.kind=ddp ...        (launch/torchrun.sh)
+    deepspeed --no_local_rank --module fledge.launch.cli train engine.kind=deepspeed ...  (launch/deepspeed.sh)
 
 The run directory ends up with ``checkpoints/``, ``metrics.jsonl``, ``wandb/`` and ``draft/`` (the final weights, in
-the checkpoint weight format; ``train.checkpoint.load_draft`` reads it).
+the checkpoint weight format; ``models.draft_folder.load_draft`` reads it). ``TrainJobConfig``, the root of the
+stage's config, composes each component's dataclass; ``conf/train.yaml`` fills it.
 """
 
 from __future__ import annotations
@@ -14,31 +15,113 @@ import logging
 import math
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from data.cache import CacheReader
-from models.draft import Eagle3Config, Eagle3Draft
-from models.verifier import load_embed_and_head
-from train import sampler as data
-from train.checkpoint import (
+from fledge.core.config import fields_of
+from fledge.core.dist import all_reduce_sum, barrier
+from fledge.core.errors import ConfigError, MismatchError
+from fledge.data.cache import CacheReader
+from fledge.models.draft import Eagle3Config, Eagle3Draft
+from fledge.models.draft_folder import CHECKPOINTS, latest_checkpoint, write_final_draft
+from fledge.models.verifier import check_fingerprint, load_embed_and_head
+from fledge.train import sampler
+from fledge.train.checkpoint import (
+    CheckpointConfig,
     TrainState,
     check_resume,
-    latest_checkpoint,
     load_checkpoint,
     remove_stale,
     save_checkpoint,
-    write_final_draft,
 )
-from train.config import TrainJobConfig
-from train.engine import Engine, TTTModule, all_reduce_sum, barrier, build_engine, init_process_group
-from train.logger import MetricsLogger, with_tau
+from fledge.train.config import HeldOutConfig, TrainConfig
+from fledge.train.engine import Engine, EngineConfig, TTTModule, build_engine, init_process_group
+from fledge.train.logger import LogConfig, MetricsLogger, with_tau
+from fledge.train.ttt import TTTConfig
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainJobConfig:
+    cache_dir: str = "runs/cache"
+    """The hidden-state cache built by ``fledge cache`` (it names the verifier, aux layers and draft vocabulary)."""
+    output_dir: str = "runs/train"
+    """Run directory: checkpoints/, metrics.jsonl, wandb/ and the final draft/."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    ttt: TTTConfig = field(default_factory=TTTConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    eval: HeldOutConfig = field(default_factory=HeldOutConfig)
+    """Held-out evaluation during training (TTT losses and accuracies; ``fledge eval`` measures real decoding)."""
+
+    def __post_init__(self) -> None:
+        if self.eval.holdout and self.eval.cache_dir:
+            raise ConfigError(
+                "eval.holdout and eval.cache_dir are alternatives: evaluate on a held-out slice of the training "
+                "cache or on a second cache, not both"
+            )
+        if self.eval.every and not (self.eval.holdout or self.eval.cache_dir):
+            raise ConfigError(
+                f"eval.every={self.eval.every} needs held-out data: set eval.holdout=N (the last N conversations "
+                "of the cache) or eval.cache_dir=PATH, or eval.every=0"
+            )
+        if self.engine.kind != "deepspeed" and self.engine.deepspeed_config:
+            raise ConfigError(
+                f"engine.deepspeed_config is set but engine.kind={self.engine.kind!r}; use engine.kind=deepspeed"
+            )
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else Path(self.output_dir) / CHECKPOINTS
+
+    @property
+    def jsonl_path(self) -> Path:
+        return Path(self.log.jsonl) if self.log.jsonl else Path(self.output_dir) / "metrics.jsonl"
+
+
+@dataclass
+class CacheBinding:
+    """The cache a run trains on, as its resolved config records it."""
+
+    path: str
+    num_conversations: int
+    num_tokens: int | None
+    verifier_fingerprint: str
+
+
+@dataclass
+class RunBinding:
+    """What a run is bound to besides its config; saved beside it in every checkpoint."""
+
+    world_size: int
+    cache: CacheBinding
+
+
+_job, _run = fields_of(TrainJobConfig), fields_of(RunBinding)
+RESUME_INVARIANTS = (
+    _job.train.seed,
+    _job.train.micro_batch_size,
+    _job.train.max_tokens,
+    _job.train.grad_accum,
+    _job.ttt.ttt_steps,
+    _job.ttt.step_decay,
+    _job.engine.kind,
+    _job.engine.zero_stage,
+    _job.eval.holdout,
+    _run.world_size,
+    _run.cache.num_conversations,
+    _run.cache.verifier_fingerprint,
+)
+"""Settings a resume must not change: they decide which data each step sees or what the optimizer state means.
+Everything else may change (max_steps / epochs extend or shorten the run and the cosine is recomputed from the
+resumed step; lr, warmup, clipping, dtype, logging, eval and checkpoint cadence apply from the resumed step on).
+Field references, not strings: a renamed field fails here, at import, instead of silently never matching."""
 
 
 @dataclass
@@ -62,13 +145,13 @@ def run(cfg: TrainJobConfig) -> TrainResult:
     reader = CacheReader(cfg.cache_dir)
     train_ids, eval_reader, eval_ids = split_data(cfg, reader)
     draft, verifier_head = build_draft(reader, cfg.train.seed)
-    sampler = data.BucketSampler(
+    bucket_sampler = sampler.BucketSampler(
         reader.lengths(), train_ids, cfg.train.micro_batch_size, cfg.train.max_tokens, cfg.train.grad_accum,
         cfg.train.seed, info.rank, info.world_size,
     )
-    total_steps = cfg.train.max_steps or sampler.steps_for_epochs(cfg.train.epochs)
+    total_steps = cfg.train.max_steps or bucket_sampler.steps_for_epochs(cfg.train.epochs)
     engine = build_engine(TTTModule(draft, verifier_head, cfg.ttt), cfg.train, cfg.engine, info, device, total_steps)
-    eval_set = data.eval_batches(
+    eval_set = sampler.eval_batches(
         eval_reader.lengths() if eval_reader else [], eval_ids, cfg.train.micro_batch_size, cfg.train.max_tokens,
         info.rank, info.world_size,
     )
@@ -84,7 +167,7 @@ def run(cfg: TrainJobConfig) -> TrainResult:
     barrier()
     resume_from = latest_checkpoint(ckpt_dir) if cfg.checkpoint.resume else None
     if resume_from is not None:
-        check_resume(resume_from, resolved)
+        check_resume(resume_from, resolved, RESUME_INVARIANTS)
         state = load_checkpoint(resume_from, engine, info)
         log.info("resumed from %s (step %d)", resume_from, state.step)
 
@@ -106,9 +189,9 @@ def run(cfg: TrainJobConfig) -> TrainResult:
 
     # ---- the loop
     while state.step < total_steps:
-        micro_batches, position = sampler.next_step(data.DataPosition(state.epoch, state.batch))
+        micro_batches, position = bucket_sampler.next_step(sampler.DataPosition(state.epoch, state.batch))
         for i, indices in enumerate(micro_batches):
-            batch = data.collate([reader[j] for j in indices], device)
+            batch = sampler.collate([reader[j] for j in indices], device)
             loss, metrics = engine.forward(batch)
             # Each micro-batch's mean loss / grad_accum: the step's gradient is the mean over its micro-batches
             # (and DDP / ZeRO average over ranks), so it does not grow with the accumulation count.
@@ -132,7 +215,7 @@ def run(cfg: TrainJobConfig) -> TrainResult:
 
         if eval_set and cfg.eval.every and (state.step % cfg.eval.every == 0 or state.step == total_steps):
             paused = time.perf_counter()
-            last_eval = evaluate(engine, eval_reader, eval_set, device)
+            last_eval = evaluate_held_out(engine, eval_reader, eval_set, device)
             logger.log(last_eval, state.step)
             window.paused += time.perf_counter() - paused  # eval time is not training throughput
 
@@ -164,14 +247,23 @@ def split_data(cfg: TrainJobConfig, reader: CacheReader) -> tuple[list[int], Cac
     """Training conversations, and the eval reader and conversations (the last eval.holdout, or a second cache)."""
     n = len(reader)
     if cfg.eval.holdout >= n:
-        raise ValueError(f"eval.holdout={cfg.eval.holdout} leaves nothing to train on: the cache has {n} conversations")
+        raise ConfigError(
+            f"eval.holdout={cfg.eval.holdout} leaves nothing to train on: the cache has {n} conversations",
+            fix="lower eval.holdout or cache more conversations",
+        )
     if cfg.eval.cache_dir:
         other = CacheReader(cfg.eval.cache_dir)
         for key in ("aux_layer_ids", "hidden_size"):
             if other.manifest[key] != reader.manifest[key]:
-                raise ValueError(f"eval.cache_dir {cfg.eval.cache_dir}: {key} {other.manifest[key]} != training cache's {reader.manifest[key]}")
+                raise MismatchError(
+                    f"eval.cache_dir {cfg.eval.cache_dir}: {key} {other.manifest[key]} != training cache's "
+                    f"{reader.manifest[key]}", fix="evaluate on a cache of the same verifier and aux layers",
+                )
         if other.manifest["verifier"]["fingerprint"] != reader.manifest["verifier"]["fingerprint"]:
-            raise ValueError(f"eval.cache_dir {cfg.eval.cache_dir} was cached from another verifier than {cfg.cache_dir}")
+            raise MismatchError(
+                f"eval.cache_dir {cfg.eval.cache_dir} was cached from another verifier than {cfg.cache_dir}",
+                fix="evaluate on a cache of the same verifier",
+            )
         return list(range(n)), other, list(range(len(other)))
     if cfg.eval.holdout:
         return list(range(n - cfg.eval.holdout)), reader, list(range(n - cfg.eval.holdout, n))
@@ -180,17 +272,20 @@ def split_data(cfg: TrainJobConfig, reader: CacheReader) -> tuple[list[int], Cac
 
 def build_draft(reader: CacheReader, seed: int) -> tuple[Eagle3Draft, torch.Tensor]:
     """A fresh draft shaped like the cache's verifier, with its embedding and the cache's draft vocabulary, and the
-    verifier's head (float32) for the teacher. Only the embedding and the head are read, never the whole model."""
+    verifier's head (float32) for the teacher. Only the embedding and the head are read, never the whole model; a
+    verifier whose weights are not the ones the cache was made with is refused (its head would teach other
+    distributions than the cached states came from)."""
     from transformers import AutoConfig
 
     verifier_dir = reader.verifier_dir
+    check_fingerprint(verifier_dir, reader.manifest["verifier"]["fingerprint"], f"the cache {reader.path}")
     d2t, t2d = reader.draft_vocab()
     config = Eagle3Config.from_verifier(
         AutoConfig.from_pretrained(verifier_dir), draft_vocab_size=int(d2t.numel()),
         aux_layer_ids=list(reader.manifest["aux_layer_ids"]),
     )
     if config.target_hidden_size != int(reader.manifest["hidden_size"]):
-        raise ValueError(
+        raise MismatchError(
             f"{reader.path}: cached hidden size {reader.manifest['hidden_size']} != verifier's {config.target_hidden_size}"
         )
     draft = Eagle3Draft(config, seed=seed)
@@ -201,19 +296,21 @@ def build_draft(reader: CacheReader, seed: int) -> tuple[Eagle3Draft, torch.Tens
 
 
 def resolved_config(cfg: TrainJobConfig, reader: CacheReader, world_size: int) -> dict[str, Any]:
-    """The config as a plain dict plus what a resume must also match (world size, the cache's identity)."""
+    """The config as a plain dict plus what the run is bound to (``RunBinding``: world size, the cache's identity),
+    as checkpoints save it and a resume compares it."""
     from omegaconf import OmegaConf
 
-    tree = OmegaConf.to_container(OmegaConf.structured(cfg))
     m = reader.manifest
-    tree["world_size"] = world_size
-    tree["cache"] = {
-        "path": str(reader.path),
-        "num_conversations": len(reader),
-        "num_tokens": m.get("num_tokens"),
-        "verifier_fingerprint": m["verifier"]["fingerprint"],
-    }
-    return tree
+    binding = RunBinding(
+        world_size=world_size,
+        cache=CacheBinding(
+            path=str(reader.path),
+            num_conversations=len(reader),
+            num_tokens=m.get("num_tokens"),
+            verifier_fingerprint=m["verifier"]["fingerprint"],
+        ),
+    )
+    return {**OmegaConf.to_container(OmegaConf.structured(cfg)), **asdict(binding)}
 
 
 def draft_meta(reader: CacheReader, cfg: TrainJobConfig) -> dict[str, Any]:
@@ -271,14 +368,14 @@ class MetricWindow:
 
 
 @torch.no_grad()
-def evaluate(
+def evaluate_held_out(
     engine: Engine, reader: CacheReader, batches: list[tuple[list[int], float]], device: torch.device
 ) -> dict[str, float]:
     """TTT losses and accuracies on held-out conversations, weighted by counted positions, over all ranks."""
     keys: list[str] | None = None
     sums: torch.Tensor | None = None
     for indices, weight in batches:
-        _, metrics = engine.forward(data.collate([reader[j] for j in indices], device))
+        _, metrics = engine.forward(sampler.collate([reader[j] for j in indices], device))
         if keys is None:
             keys = sorted(k for k in metrics if k != "tokens")
             sums = torch.zeros(len(keys) + 1, dtype=torch.float64)

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fledge.core.errors import ConfigError
+
 
 @dataclass
 class DataPosition:
@@ -84,7 +86,7 @@ class BucketSampler:
         world_size: int = 1,
     ) -> None:
         if not indices:
-            raise ValueError("no training conversations (is eval.holdout as large as the cache?)")
+            raise ConfigError("no training conversations", fix="lower eval.holdout or cache more conversations")
         self.lengths = np.asarray(lengths)
         self.indices = list(indices)
         self.micro_batch_size = micro_batch_size
@@ -108,7 +110,7 @@ class BucketSampler:
             batches = bucket_batches(self.lengths, self.indices, self.micro_batch_size, self.max_tokens, rng)
             usable = len(batches) // self.batches_per_step * self.batches_per_step
             if usable == 0:
-                raise ValueError(
+                raise ConfigError(
                     f"an epoch of {len(self.indices)} conversations makes {len(batches)} micro-batches, fewer than "
                     f"one optimizer step needs (world_size {self.world_size} x train.grad_accum {self.grad_accum}); "
                     "lower train.micro_batch_size / train.max_tokens / train.grad_accum or cache more conversations"

@@ -38,7 +38,8 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from models.draft import Eagle3Draft, TTTCache
+from fledge.core.errors import ConfigError
+from fledge.models.draft import Eagle3Draft, TTTCache
 
 
 @dataclass
@@ -52,11 +53,11 @@ class TTTConfig:
 
     def __post_init__(self) -> None:
         if self.ttt_steps < 1:
-            raise ValueError(f"ttt.ttt_steps must be >= 1, got {self.ttt_steps}")
+            raise ConfigError(f"ttt.ttt_steps must be >= 1, got {self.ttt_steps}")
         if not 0.0 < self.step_decay <= 1.0:
-            raise ValueError(f"ttt.step_decay must lie in (0, 1], got {self.step_decay}")
+            raise ConfigError(f"ttt.step_decay must lie in (0, 1], got {self.step_decay}")
         if self.teacher_chunk < 1:
-            raise ValueError(f"ttt.teacher_chunk must be >= 1, got {self.teacher_chunk}")
+            raise ConfigError(f"ttt.teacher_chunk must be >= 1, got {self.teacher_chunk}")
 
 
 @torch.no_grad()

@@ -1,4 +1,4 @@
-"""Validating an EAGLE-3 serving checkpoint against what vLLM and SGLang actually read.
+"""Validating an EAGLE-3 serving checkpoint against what vLLM, SGLang and the official EAGLE code actually read.
 
 Each rule below is there because the engine in question would otherwise load the checkpoint *silently wrong* or
 crash at start-up (facts from vLLM ``model_executor/models/llama_eagle3.py`` + ``v1/worker/gpu_model_runner.py`` and
@@ -20,6 +20,10 @@ SGLang ``srt/models/llama_eagle3.py`` + its targets' ``set_eagle3_layers_to_capt
   extra decoder layers, which a one-layer checkpoint leaves at random init.
 - A shipped ``embed_tokens.weight``: vLLM keeps it when it differs from the verifier's, SGLang replaces it with the
   verifier's, so a different embedding makes the two engines serve different drafts.
+- ``target_hidden_size`` without a shipped embedding: the official EAGLE code (``eagle/model/cnets.py``) loads the
+  verifier's embedding only when the config has *no* ``target_hidden_size``; with the key it expects the
+  checkpoint's own, finds none, and runs with its random initialisation. vLLM and SGLang fall back to
+  ``hidden_size`` when the key is absent, so omitting it when the two are equal is safe for all three.
 - The speculators format (``speculators_model_type: eagle3``): vLLM defaults ``norm_before_residual`` to *true*
   when the key is absent, which is not the architecture fledge (and the EAGLE-3 reference) trains.
 """
@@ -28,35 +32,27 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
-log = logging.getLogger(__name__)
-
-SERVING_ARCHITECTURE = "LlamaForCausalLMEagle3"
-"""The architecture name both engines load as an EAGLE-3 head."""
-VLLM_ONLY_ARCHITECTURES = ("Eagle3LlamaForCausalLM",)
-SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
-
-MIDLAYER_TENSORS = (
-    "input_layernorm.weight",
-    "hidden_norm.weight",
-    "post_attention_layernorm.weight",
-    "self_attn.q_proj.weight",
-    "self_attn.k_proj.weight",
-    "self_attn.v_proj.weight",
-    "self_attn.o_proj.weight",
-    "mlp.gate_proj.weight",
-    "mlp.up_proj.weight",
-    "mlp.down_proj.weight",
+from fledge.models.draft import draft_vocab_problems
+from fledge.models.serving import (
+    OPTIONAL_TENSORS,
+    SAME_TENSOR_RTOL,
+    SERVING_ARCHITECTURE,
+    VLLM_ONLY_ARCHITECTURES,
+    ServingCheckpoint,
+    ServingFormatError,
+    expected_shapes,
+    read_serving_checkpoint,
+    relative_difference,
 )
-# Tensors an engine accepts besides the weights: the verifier's embedding and the draft-vocabulary maps.
-OPTIONAL_TENSORS = ("embed_tokens.weight", "d2t", "t2d")
-# A relative difference below this counts as "the same tensor" up to bf16/fp16 rounding.
-SAME_TENSOR_RTOL = 1e-2
+from fledge.models.verifier import load_embed_and_head
+
+log = logging.getLogger(__name__)
 
 Level = Literal["error", "warning"]
 
@@ -75,127 +71,9 @@ class Finding:
         return f"{self.level.upper()} [{self.code}] {self.message}\n    fix: {self.fix}"
 
 
-@dataclass
-class ServingCheckpoint:
-    """A serving checkpoint read into one flat view, whichever of the two formats it is written in."""
-
-    path: Path
-    format: Literal["eagle3", "speculators"]
-    raw_config: dict
-    config: dict
-    """Flat, LlamaForCausalLMEagle3-style view: for the speculators format, ``transformer_layer_config`` merged with
-    the EAGLE-3 fields that live beside it."""
-    tensors: dict[str, torch.Tensor]
-    """Tensors under fledge's names (``midlayer.*``; a leading ``model.`` removed, ``layers.0.`` mapped)."""
-    raw_names: list[str] = field(default_factory=list)
-
-
-def is_serving_checkpoint(path: Path) -> bool:
-    has_weights = any(path.glob("*.safetensors")) or (path / "pytorch_model.bin").is_file()
-    return (path / "config.json").is_file() and has_weights
-
-
-def read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint folder: ``model.safetensors``, sharded safetensors, or ``pytorch_model.bin``."""
-    from safetensors.torch import load_file
-
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in path.glob("*.safetensors"))
-    tensors: dict[str, torch.Tensor] = {}
-    for name in files:
-        tensors.update(load_file(str(path / name)))
-    if not files and (path / "pytorch_model.bin").is_file():
-        # The original EAGLE-3 releases ship a pickle; weights_only refuses anything but tensors.
-        tensors = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    if not tensors:
-        raise FileNotFoundError(f"{path}: no weights (model.safetensors, *.safetensors or pytorch_model.bin)")
-    return tensors
-
-
-def canonical_name(name: str) -> str:
-    """fledge's name for a tensor as third parties spell it (``model.`` prefix, ``layers.0.`` for ``midlayer.``)."""
-    if name.startswith("model."):
-        name = name[len("model.") :]
-    if name.startswith("layers.0."):
-        name = "midlayer." + name[len("layers.0.") :]
-    return name
-
-
-def read_serving_checkpoint(path: Path) -> ServingCheckpoint:
-    config_path = path / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{path}: no config.json")
-    raw = json.loads(config_path.read_text())
-    if raw.get("speculators_model_type") is not None:
-        fmt = "speculators"
-        flat = dict(raw.get("transformer_layer_config") or {})
-        for key in (
-            "draft_vocab_size",
-            "target_hidden_size",
-            "eagle_aux_hidden_state_layer_ids",
-            "norm_before_residual",
-            "torch_dtype",
-            "dtype",
-        ):
-            if key in raw:
-                flat[key] = raw[key]
-        flat["architectures"] = raw.get("architectures")
-    else:
-        fmt = "eagle3"
-        flat = dict(raw)
-    tensors = read_tensors(path)
-    return ServingCheckpoint(
-        path=path,
-        format=fmt,
-        raw_config=raw,
-        config=flat,
-        tensors={canonical_name(k): v for k, v in tensors.items()},
-        raw_names=sorted(tensors),
-    )
-
-
-def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """Shape of every required tensor from a flat config (KeyError names the missing key)."""
-    h = int(config["hidden_size"])
-    heads = int(config["num_attention_heads"])
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    head_dim = int(config.get("head_dim") or h // heads)
-    inter = int(config["intermediate_size"])
-    vocab = int(config["vocab_size"])
-    draft_vocab = int(config.get("draft_vocab_size") or vocab)
-    target_h = int(config.get("target_hidden_size") or h)
-    shapes = {
-        "fc.weight": (h, 3 * target_h),
-        "midlayer.input_layernorm.weight": (h,),
-        "midlayer.hidden_norm.weight": (h,),
-        "midlayer.post_attention_layernorm.weight": (h,),
-        "midlayer.self_attn.q_proj.weight": (heads * head_dim, 2 * h),
-        "midlayer.self_attn.k_proj.weight": (kv_heads * head_dim, 2 * h),
-        "midlayer.self_attn.v_proj.weight": (kv_heads * head_dim, 2 * h),
-        "midlayer.self_attn.o_proj.weight": (h, heads * head_dim),
-        "midlayer.mlp.gate_proj.weight": (inter, h),
-        "midlayer.mlp.up_proj.weight": (inter, h),
-        "midlayer.mlp.down_proj.weight": (h, inter),
-        "norm.weight": (h,),
-        "lm_head.weight": (draft_vocab, h),
-    }
-    assert len(shapes) == len(MIDLAYER_TENSORS) + 3
-    return shapes
-
-
-def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float(), b.float()
-    return float((a - b).norm() / b.norm().clamp_min(1e-12))
-
-
 def d2t_offsets_consistent(d2t: torch.Tensor, t2d: torch.Tensor) -> bool:
-    """True when the verifier ids ``i + d2t[i]`` are exactly the ids marked in ``t2d`` (as a set)."""
-    targets = torch.arange(d2t.numel()) + d2t.long()
-    marked = t2d.bool().nonzero().squeeze(1)
-    return marked.numel() == targets.numel() and torch.equal(torch.sort(targets).values, marked)
+    """True when the verifier ids ``i + d2t[i]`` are exactly the ids marked in ``t2d`` (as a set, in any order)."""
+    return all(p.code == "d2t-unsorted" for p in draft_vocab_problems(d2t, t2d))
 
 
 def looks_like_indices(d2t: torch.Tensor, vocab_size: int, t2d: torch.Tensor | None) -> tuple[bool, str]:
@@ -233,8 +111,6 @@ def looks_like_indices(d2t: torch.Tensor, vocab_size: int, t2d: torch.Tensor | N
 def _verifier_facts(verifier_dir: Path | None) -> tuple[dict | None, torch.Tensor | None]:
     if verifier_dir is None:
         return None, None
-    from models.verifier import load_embed_and_head
-
     hf = json.loads((verifier_dir / "config.json").read_text())
     text = hf.get("text_config") or hf
     embed, _ = load_embed_and_head(verifier_dir)
@@ -242,7 +118,8 @@ def _verifier_facts(verifier_dir: Path | None) -> tuple[dict | None, torch.Tenso
 
 
 def check_checkpoint(path: Path, verifier_dir: Path | None = None) -> list[Finding]:
-    """Every problem vLLM or SGLang would have with the EAGLE-3 checkpoint at ``path``; errors first."""
+    """Every problem vLLM, SGLang or the official EAGLE code would have with the checkpoint at ``path``; errors
+    first."""
     path = Path(path)
     findings: list[Finding] = []
 
@@ -260,7 +137,7 @@ def check_checkpoint(path: Path, verifier_dir: Path | None = None) -> list[Findi
         return findings
     try:
         ckpt = read_serving_checkpoint(path)
-    except (FileNotFoundError, json.JSONDecodeError, OSError, RuntimeError) as e:
+    except (ServingFormatError, json.JSONDecodeError, OSError, RuntimeError) as e:
         add("error", "unreadable", f"cannot read the checkpoint: {e}", "re-export it; the files are missing or damaged")
         return findings
     verifier, verifier_embed = _verifier_facts(verifier_dir)
@@ -476,40 +353,20 @@ def _check_vocab_maps(ckpt: ServingCheckpoint, vocab_size: int, add) -> None:
             "store d2t[i] = target_id - i (fledge's and EAGLE-3's convention)",
         )
         return
-    targets = torch.arange(draft_vocab) + d2t.long()
-    out_of_range = int(((targets < 0) | (targets >= vocab_size)).sum())
-    if out_of_range:
-        add(
-            "error",
-            "d2t-out-of-range",
-            f"{out_of_range} draft ids map outside the verifier vocabulary 0..{vocab_size - 1}",
-            "rebuild the draft vocabulary for this verifier",
-        )
-        return
-    if torch.unique(targets).numel() != draft_vocab:
-        add(
-            "error",
-            "d2t-duplicates",
-            "several draft ids map to the same verifier id",
-            "rebuild the draft vocabulary: each verifier id at most once",
-        )
-        return
+    fixes = {
+        "d2t-out-of-range": "rebuild the draft vocabulary for this verifier",
+        "d2t-duplicates": "rebuild the draft vocabulary: each verifier id at most once",
+        "d2t-t2d-mismatch": "rebuild t2d from d2t: t2d = zeros(V, bool); t2d[arange(Vd) + d2t] = True",
+        "d2t-unsorted": "order the draft vocabulary by verifier id",
+    }
+    for problem in draft_vocab_problems(d2t, t2d, vocab_size):
+        if problem.code == "d2t-unsorted":
+            add("warning", problem.code, f"{problem.message} (the engines do not mind; fledge sorts on import)",
+                fixes[problem.code])
+        else:
+            add("error", problem.code, problem.message, fixes[problem.code])
     if t2d is None:
         add("warning", "t2d-missing", "no t2d (the engines do not read it; fledge derives it from d2t)", "save t2d")
-    elif not d2t_offsets_consistent(d2t, t2d):
-        add(
-            "error",
-            "d2t-t2d-mismatch",
-            f"t2d marks {int(t2d.bool().sum())} verifier ids but they are not the {draft_vocab} ids i + d2t[i]",
-            "rebuild t2d from d2t: t2d = zeros(V, bool); t2d[arange(Vd) + d2t] = True",
-        )
-    if not bool((targets[1:] > targets[:-1]).all()):
-        add(
-            "warning",
-            "d2t-unsorted",
-            "draft ids are not in increasing verifier-id order (the engines do not mind; fledge sorts on import)",
-            "order the draft vocabulary by verifier id",
-        )
 
 
 def _check_layer_ids(ckpt: ServingCheckpoint, num_target_layers: int | None, add) -> None:
@@ -632,6 +489,16 @@ def _check_embedding_and_head(ckpt: ServingCheckpoint, verifier_embed: torch.Ten
                     "vLLM keeps it, SGLang replaces it with the verifier's, so they serve different drafts",
                     "drop embed_tokens.weight from the checkpoint (the head was trained on the verifier's embedding)",
                 )
+    if ckpt.format == "eagle3" and shipped is None and "target_hidden_size" in ckpt.raw_config:
+        add(
+            "error",
+            "eagle-random-embedding",
+            "config.json sets target_hidden_size but no embed_tokens.weight is shipped: the official EAGLE code "
+            "(EaModel) reads target_hidden_size as 'the draft brings its own embedding', skips loading the "
+            "verifier's, and then runs with a random one (its non-strict load drops the missing key silently)",
+            "drop target_hidden_size when it equals hidden_size (vLLM and SGLang fall back to hidden_size), or ship "
+            "the verifier's embedding (fledge export ship_embedding=true)",
+        )
     head = ckpt.tensors.get("lm_head.weight")
     reference = shipped if shipped is not None else verifier_embed
     d2t = ckpt.tensors.get("d2t")

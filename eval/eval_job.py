@@ -15,10 +15,11 @@ from typing import Any
 
 import torch
 
-from eval.drafters import PromptLookupDrafter
-from data.sources import load_prompts
-from eval.runner import EvalConfig, evaluate, load_eagle_drafter, report_table
-from models.verifier import VerifierConfig, load_verifier, parse_dtype
+from fledge.core.errors import ConfigError
+from fledge.data.sources import load_prompts
+from fledge.eval.drafters import PromptLookupDrafter
+from fledge.eval.runner import EvalConfig, evaluate, load_eagle_drafter, report_table
+from fledge.models.verifier import VerifierConfig, load_verifier, parse_dtype
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ def run(cfg: EvalJobConfig) -> dict[str, Any]:
     if cfg.prompt_lookup:
         drafters["prompt_lookup"] = PromptLookupDrafter(max_ngram=cfg.prompt_lookup_max_ngram)
     if not drafters:
-        raise ValueError("nothing to evaluate: set draft=... or prompt_lookup=true")
+        raise ConfigError("nothing to evaluate", fix="set draft=... or prompt_lookup=true")
     prompt_sets = {_set_name(s): load_prompts(s) for s in cfg.prompts}
     report = evaluate(verifier, prompt_sets, drafters, cfg.eval)
     report["draft"] = draft_meta

@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eval.drafters import RandomDrafter
-from eval.exactness import exactness_check, random_eagle_factory, tiny_verifier
-from eval.proposals import TreeShape
-from eval.sampling import SamplingParams
+from fledge.core.errors import ConfigError
+from fledge.eval.drafters import RandomDrafter
+from fledge.eval.exactness import exactness_check, random_eagle_factory, tiny_verifier
+from fledge.eval.proposals import TreeShape
+from fledge.models.sampling import SamplingParams
 
 DRAFTS = ("eagle", "random")
 
@@ -44,9 +45,9 @@ class ExactnessJobConfig:
     def __post_init__(self) -> None:
         bad = [m for m in self.methods if m not in ("chain", "tree")] + [d for d in self.drafts if d not in DRAFTS]
         if bad:
-            raise ValueError(f"unknown methods/drafts {bad}: methods are chain|tree, drafts are {'|'.join(DRAFTS)}")
+            raise ConfigError(f"unknown methods/drafts {bad}: methods are chain|tree, drafts are {'|'.join(DRAFTS)}")
         if self.temperature <= 0:
-            raise ValueError("exactness is about sampling: temperature must be > 0")
+            raise ConfigError("exactness is about sampling: temperature must be > 0")
 
 
 def run(cfg: ExactnessJobConfig) -> bool:

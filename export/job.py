@@ -1,5 +1,5 @@
 """``fledge export`` (a training run -> a serving checkpoint) and ``fledge export check PATH`` (validate any EAGLE-3
-checkpoint against what vLLM and SGLang read).
+checkpoint against what vLLM, SGLang and the official EAGLE code read).
 
     fledge export checkpoint=runs/train out_dir=runs/train/serving report=runs/eval/report.json speculators=true
     fledge export check runs/train/serving --verifier smollm2-135m-instruct
@@ -14,9 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from models.export import export_draft, speculators_dir, tau_from_report
-from models.export_check import check_checkpoint
-from models.verifier import VerifierConfig, resolve_verifier_dir
+from fledge.core.errors import ConfigError
+from fledge.export.check import check_checkpoint
+from fledge.export.write import export_draft, speculators_dir, tau_from_report
+from fledge.models.draft_folder import CHECKPOINTS, FINAL_DRAFT, STEP_DIR, draft_folder, load_draft, read_meta
+from fledge.models.verifier import VerifierConfig, VerifierNotFound, resolve_verifier_dir
 
 log = logging.getLogger(__name__)
 
@@ -44,22 +46,24 @@ class ExportJobConfig:
     """Model-card text for the training data; None describes the hidden-state cache the draft was trained on."""
     num_speculative_tokens: int = 3
     """Chain length written into the speculators config (vLLM's default ``num_speculative_tokens`` for it)."""
+    ship_embedding: bool = False
+    """Also ship the verifier's embedding (and ``target_hidden_size``) in the LlamaForCausalLMEagle3 folder. Off:
+    vLLM, SGLang and the official EAGLE code all read the verifier's own, and the folder stays small (the embedding
+    is vocabulary x hidden: 1 GB at 8B in bf16). On: the same result, for readers that want the file whole."""
 
     def __post_init__(self) -> None:
         if self.tau is not None and self.report is not None:
-            raise ValueError("export.tau and export.report both set the card's τ; give one of them")
+            raise ConfigError("export.tau and export.report both set the card's τ; give one of them")
         if self.num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+            raise ConfigError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
 
 
 def default_out_dir(draft_dir: Path) -> Path:
     """Beside the run, never inside a step folder (which ``keep_last`` pruning deletes)."""
-    from train.checkpoint import STEP_DIR
-
-    if draft_dir.name == "draft":
+    if draft_dir.name == FINAL_DRAFT:
         return draft_dir.parent / "serving"
     if STEP_DIR.match(draft_dir.name):
-        run_dir = draft_dir.parent.parent if draft_dir.parent.name == "checkpoints" else draft_dir.parent
+        run_dir = draft_dir.parent.parent if draft_dir.parent.name == CHECKPOINTS else draft_dir.parent
         return run_dir / f"serving-{draft_dir.name}"
     return draft_dir.with_name(draft_dir.name + "-serving")
 
@@ -74,7 +78,7 @@ def _verifier_dir(cfg: ExportJobConfig, meta: dict) -> Path:
     if recorded.get("name"):
         # The converted GGUF directory of an embedded verifier may live under another home on this machine.
         return resolve_verifier_dir(VerifierConfig(name_or_path=recorded["name"]))
-    raise FileNotFoundError(f"the checkpoint records no usable verifier ({recorded}); pass verifier=<dir>")
+    raise VerifierNotFound(f"the checkpoint records no usable verifier ({recorded})", fix="pass verifier=<dir>")
 
 
 def describe_training_data(meta: dict) -> str | None:
@@ -98,17 +102,13 @@ def describe_training_data(meta: dict) -> str | None:
 
 
 def build_card(cfg: ExportJobConfig, meta: dict) -> dict[str, Any]:
+    # The card names the verifier as the engines serve it (its Hub id), from the verifier folder itself.
     card: dict[str, Any] = {"num_speculative_tokens": cfg.num_speculative_tokens}
-    recorded = meta.get("verifier") or {}
-    if recorded.get("name") and not cfg.verifier:
-        card["verifier"] = recorded["name"]
-    elif cfg.verifier:
-        card["verifier"] = Path(cfg.verifier).name if Path(cfg.verifier).exists() else cfg.verifier
     card["training_data"] = cfg.training_data or describe_training_data(meta)
     if cfg.report:
         taus = tau_from_report(json.loads(Path(cfg.report).read_text()))
         if not taus:
-            raise ValueError(f"report {cfg.report} holds no value under a key 'tau'")
+            raise ConfigError(f"report {cfg.report} holds no value under a key 'tau'", fix="give export.tau instead")
         card["tau"] = taus
         card["tau_source"] = str(cfg.report)
     elif cfg.tau is not None:
@@ -120,10 +120,8 @@ def build_card(cfg: ExportJobConfig, meta: dict) -> dict[str, Any]:
 
 
 def run(cfg: ExportJobConfig) -> Path:
-    from train.checkpoint import META, draft_folder, load_draft
-
     folder = draft_folder(cfg.checkpoint)
-    meta = json.loads((folder / META).read_text()) if (folder / META).is_file() else {}
+    meta = read_meta(folder)
     verifier_dir = _verifier_dir(cfg, meta)
     draft = load_draft(folder, verifier_dir=verifier_dir)
     out_dir = Path(cfg.out_dir) if cfg.out_dir else default_out_dir(folder)
@@ -134,6 +132,7 @@ def run(cfg: ExportJobConfig) -> Path:
         dtype=cfg.dtype,
         card=build_card(cfg, meta),
         speculators=cfg.speculators,
+        ship_embedding=cfg.ship_embedding,
     )
     written = [out_dir, speculators_dir(out_dir)] if cfg.speculators else [out_dir]
     for path in written:

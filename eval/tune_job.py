@@ -16,14 +16,22 @@ from typing import Any
 
 import torch
 
-from data.sources import load_prompts
-from eval.proposals import TreeShape
-from eval.runner import EvalConfig, encode_prompt, evaluate, load_eagle_drafter
-from eval.tune import (
-    PLAIN, Candidate, CostModel, candidates, format_table, measure_tree_draft_seconds, measure_verify_cost,
-    overhead_from_run, recommend,
+from fledge.core.errors import ConfigError
+from fledge.data.sources import load_prompts
+from fledge.eval.proposals import TreeShape
+from fledge.eval.runner import EvalConfig, encode_prompt, evaluate, load_eagle_drafter
+from fledge.eval.tune import (
+    PLAIN,
+    Candidate,
+    CostModel,
+    candidates,
+    format_table,
+    measure_tree_draft_seconds,
+    measure_verify_cost,
+    overhead_from_run,
+    recommend,
 )
-from models.verifier import VerifierConfig, load_verifier, parse_dtype
+from fledge.models.verifier import VerifierConfig, load_verifier, parse_dtype
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +76,9 @@ class TuneJobConfig:
 
     def __post_init__(self) -> None:
         if self.n_max < 1:
-            raise ValueError(f"n_max must be >= 1, got {self.n_max}")
+            raise ConfigError(f"n_max must be >= 1, got {self.n_max}")
         if self.max_prompts < 1 or self.max_new_tokens < 1:
-            raise ValueError(f"max_prompts and max_new_tokens must be >= 1, got {self.max_prompts}, "
+            raise ConfigError(f"max_prompts and max_new_tokens must be >= 1, got {self.max_prompts}, "
                              f"{self.max_new_tokens}")
         self.shapes()
 
@@ -105,7 +113,7 @@ def run(cfg: TuneJobConfig) -> dict[str, Any]:
     drafter = load_eagle_drafter(cfg.draft, verifier)
     prompts = [p for source in cfg.prompts for p in load_prompts(source)][: cfg.max_prompts]
     if not prompts:
-        raise ValueError(f"no prompts in {cfg.prompts}")
+        raise ConfigError(f"no prompts in {cfg.prompts}", fix="check prompts")
     out = Path(cfg.out_dir) if cfg.out_dir is not None else None
 
     # 1. One chain run at n_max: α per depth, c, and the verification cost per round of the real loop.

@@ -1,19 +1,21 @@
-"""Export and import of serving checkpoints: the folder vLLM and SGLang load as an EAGLE-3 draft, as-is.
+"""Writing serving checkpoints: the folder vLLM, SGLang and the official EAGLE code load as an EAGLE-3 draft, as-is.
 
-The written folder (see DESIGN.md, "Serving checkpoint"):
+The written folder (docs/design.md, "Serving checkpoint"):
 
     config.json        LlamaForCausalLMEagle3, the verifier's attention/RoPE geometry, num_hidden_layers 1,
-                       vocab_size / draft_vocab_size / target_hidden_size, both layer-id fields
-    model.safetensors  fc, midlayer.*, norm, lm_head in the export dtype; d2t int64; t2d bool; no embedding
-    README.md          model card: verifier, training data, measured acceptance length
+                       vocab_size / draft_vocab_size, both layer-id fields; target_hidden_size only with a
+                       shipped embedding (see ``serving_config``)
+    model.safetensors  fc, midlayer.*, norm, lm_head in the export dtype; d2t int64; t2d bool; the verifier's
+                       embedding only with ``ship_embedding``
+    README.md          model card: verifier (its Hub id), training data, measured acceptance length, serve commands
 
 With ``speculators=True`` a second folder ``<out_dir>-speculators`` holds the same weights in the
 vllm-project/speculators layout (``Eagle3Speculator``: ``transformer_layer_config`` + ``speculators_config``,
 ``layers.0.*`` tensor names), with ``norm_before_residual`` and ``norm_before_fc`` written as false: vLLM assumes
 ``norm_before_residual: true`` for that format when the key is absent, which is a different network.
 
-Both folders are written to a temporary sibling, validated with ``models.export_check`` and renamed into place, so
-a folder at ``out_dir`` is always complete and loadable.
+Both folders are built in a temporary sibling, validated with ``export/check.py`` and renamed into place, so a
+folder at ``out_dir`` is always complete and loadable. Reading them back is ``models/serving.py``'s.
 """
 
 from __future__ import annotations
@@ -22,22 +24,23 @@ import json
 import logging
 import math
 import shutil
-import tempfile
-import uuid
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from models.draft import Eagle3Config, Eagle3Draft
-from models.export_check import (
+from fledge.core.errors import FledgeError
+from fledge.core.files import publish_dir, staging_dir
+from fledge.export.check import check_checkpoint
+from fledge.models.draft import Eagle3Config, Eagle3Draft
+from fledge.models.serving import (
+    SAME_TENSOR_RTOL,
     SERVING_ARCHITECTURE,
     SPECULATORS_ARCHITECTURE,
-    check_checkpoint,
-    read_serving_checkpoint,
+    read_verifier_config,
     relative_difference,
 )
-from models.verifier import default_aux_layer_ids, load_embed_and_head, parse_dtype
+from fledge.models.verifier import load_embed_and_head, parse_dtype, verifier_hub_id
 
 log = logging.getLogger(__name__)
 
@@ -46,36 +49,10 @@ SPECULATORS_SUFFIX = "-speculators"
 DEFAULT_SPECULATIVE_TOKENS = 3
 """Chain length written into the speculators config; vLLM takes ``num_speculative_tokens`` from it when not given."""
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-EMBEDDING_RTOL = 1e-2
-"""The draft's embedding counts as the verifier's up to this relative difference (bf16 rounding is ~4e-3)."""
 
 
-def read_verifier_config(verifier_dir: Path) -> dict:
-    """The verifier's text-model config.json as a dict (``text_config`` for multimodal wrappers)."""
-    path = Path(verifier_dir) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"verifier directory {verifier_dir} has no config.json")
-    hf = json.loads(path.read_text())
-    text = dict(hf.get("text_config") or hf)
-    text.setdefault("architectures", hf.get("architectures"))
-    # Older and GGUF-converted configs keep bos/eos only in generation_config.json.
-    generation = Path(verifier_dir) / "generation_config.json"
-    if generation.is_file():
-        gen = json.loads(generation.read_text())
-        for key in ("bos_token_id", "eos_token_id"):
-            if text.get(key) is None and gen.get(key) is not None:
-                text[key] = gen[key]
-    return text
-
-
-def verifier_name(verifier_dir: Path) -> str:
-    """How the card and the speculators config name the verifier: the GGUF it came from, or its folder name."""
-    source = Path(verifier_dir) / "fledge_source.json"
-    if source.is_file():
-        gguf = json.loads(source.read_text()).get("gguf")
-        if gguf:
-            return Path(gguf).stem.split(".")[0]
-    return Path(verifier_dir).resolve().name
+class ExportError(FledgeError, ValueError):
+    """A draft that cannot be exported as trained (another verifier's, or a result an engine would misread)."""
 
 
 def _rope_fields(cfg: Eagle3Config) -> dict:
@@ -111,14 +88,21 @@ def _llama_layer_config(cfg: Eagle3Config, verifier: dict) -> dict:
     return out
 
 
-def serving_config(cfg: Eagle3Config, verifier: dict, dtype_name: str, name: str) -> dict:
-    """config.json of the LlamaForCausalLMEagle3 folder."""
+def serving_config(cfg: Eagle3Config, verifier: dict, dtype_name: str, name: str, ship_embedding: bool = False) -> dict:
+    """config.json of the LlamaForCausalLMEagle3 folder.
+
+    ``target_hidden_size`` is written only when the embedding ships too (or the draft is narrower than its
+    verifier): the official EAGLE code reads the key as "this draft brings its own embedding" and otherwise runs
+    with a random one, while vLLM and SGLang fall back to ``hidden_size`` without it.
+    """
     ids = [int(i) for i in cfg.aux_layer_ids]
+    sizes = {"draft_vocab_size": cfg.draft_vocab_size}
+    if ship_embedding or cfg.target_hidden_size != cfg.hidden_size:
+        sizes["target_hidden_size"] = cfg.target_hidden_size
     return {
         "architectures": [SERVING_ARCHITECTURE],
         **_llama_layer_config(cfg, verifier),
-        "draft_vocab_size": cfg.draft_vocab_size,
-        "target_hidden_size": cfg.target_hidden_size,
+        **sizes,
         "torch_dtype": dtype_name,
         # vLLM reads the top-level ids as output_hidden_states indices; SGLang reads eagle_config's and adds one.
         "eagle_aux_hidden_state_layer_ids": ids,
@@ -167,10 +151,14 @@ def speculators_config(cfg: Eagle3Config, verifier: dict, dtype_name: str, name:
     }
 
 
-def serving_tensors(draft: Eagle3Draft, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The draft's weights in ``dtype`` (d2t int64, t2d bool), under the serving names, without the embedding."""
+def serving_tensors(draft: Eagle3Draft, dtype: torch.dtype, ship_embedding: bool = False) -> dict[str, torch.Tensor]:
+    """The draft's weights in ``dtype`` (d2t int64, t2d bool), under the serving names; the embedding (the
+    verifier's) only with ``ship_embedding``."""
     out: dict[str, torch.Tensor] = {}
-    for name, tensor in draft.trainable_state_dict().items():
+    weights = draft.trainable_state_dict()
+    if ship_embedding:
+        weights["embed_tokens.weight"] = draft.embed_tokens.weight
+    for name, tensor in weights.items():
         tensor = tensor.detach().cpu()
         if name == "d2t":
             tensor = tensor.to(torch.int64)
@@ -190,7 +178,9 @@ def _format_tau(tau: Any) -> list[str]:
     return [f"- τ (acceptance length): {float(tau):.3f}"]
 
 
-def model_card(cfg: Eagle3Config, name: str, verifier: dict, dtype_name: str, card: dict | None) -> str:
+def model_card(
+    cfg: Eagle3Config, name: str, verifier: dict, dtype_name: str, card: dict | None, ship_embedding: bool = False
+) -> str:
     """README.md. Known ``card`` keys: ``verifier`` (display name), ``training_data``, ``tau`` (a number or
     {eval set: number}), ``tau_source``; any other key is listed as it is."""
     card = dict(card or {})
@@ -219,7 +209,8 @@ def model_card(cfg: Eagle3Config, name: str, verifier: dict, dtype_name: str, ca
         f"- draft vocabulary: {cfg.draft_vocab_size} of {cfg.vocab_size} verifier tokens (`d2t` offsets, `t2d` mask)",
         f"- aux layers (Hugging Face `output_hidden_states` indices): {ids}; `eagle_config` (SGLang, minus one): "
         f"{[i - 1 for i in ids]}",
-        f"- weights: {dtype_name}; the embedding is the verifier's and is not stored",
+        f"- weights: {dtype_name}; the embedding is the verifier's"
+        + (" (shipped too)" if ship_embedding else " and is not stored"),
     ]
     for key, value in card.items():
         lines.append(f"- {key.replace('_', ' ')}: {value}")
@@ -255,24 +246,17 @@ def _is_export(path: Path) -> bool:
 
 
 def _write_folder(out_dir: Path, write: Callable[[Path], None], validate: Callable[[Path], None]) -> None:
-    """Write into a temporary sibling, validate it, then rename it to ``out_dir`` (replacing an older export)."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    """Build the folder aside, validate it, then swap it into place (replacing an older export, nothing else)."""
     if out_dir.exists() and any(out_dir.iterdir()) and not _is_export(out_dir):
         raise FileExistsError(f"{out_dir} exists and is not a fledge export; choose another out_dir or remove it")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    tmp = staging_dir(out_dir)
     try:
         write(tmp)
         validate(tmp)
-        tmp.chmod(0o755)  # mkdtemp makes it private; a serving checkpoint is an ordinary shared folder
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}")
-            out_dir.rename(old)
-            tmp.rename(out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out_dir)
-    finally:
+    except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    publish_dir(tmp, out_dir)
 
 
 def _raise_on_errors(verifier_dir: Path) -> Callable[[Path], None]:
@@ -283,7 +267,10 @@ def _raise_on_errors(verifier_dir: Path) -> Callable[[Path], None]:
                 log.warning("%s", f)
         errors = [f for f in findings if f.level == "error"]
         if errors:
-            raise ValueError("the exported checkpoint would not serve correctly:\n" + "\n".join(map(str, errors)))
+            raise ExportError(
+                "the exported checkpoint would not serve correctly:\n" + "\n".join(map(str, errors)),
+                fix="see each finding's fix; `fledge export check` describes the rules",
+            )
 
     return validate
 
@@ -291,17 +278,18 @@ def _raise_on_errors(verifier_dir: Path) -> Callable[[Path], None]:
 def _check_draft_fits_verifier(draft: Eagle3Draft, verifier: dict, verifier_dir: Path) -> None:
     cfg = draft.config
     if int(verifier["hidden_size"]) != cfg.target_hidden_size or int(verifier["vocab_size"]) != cfg.vocab_size:
-        raise ValueError(
+        raise ExportError(
             f"the draft (target_hidden_size {cfg.target_hidden_size}, vocab_size {cfg.vocab_size}) was not built for "
-            f"the verifier in {verifier_dir} (hidden_size {verifier['hidden_size']}, vocab_size {verifier['vocab_size']})"
+            f"the verifier in {verifier_dir} (hidden_size {verifier['hidden_size']}, vocab_size {verifier['vocab_size']})",
+            fix="export against the verifier the draft was trained with",
         )
     embed, _ = load_embed_and_head(verifier_dir)
     diff = relative_difference(draft.embed_tokens.weight.detach().cpu(), embed)
-    if not diff <= EMBEDDING_RTOL:
-        raise ValueError(
+    if not diff <= SAME_TENSOR_RTOL:
+        raise ExportError(
             f"the draft's embed_tokens differs from the verifier's in {verifier_dir} (relative difference {diff:.3g}): "
-            "served drafts read the verifier's embedding, so this export would not behave as trained. Load it with "
-            "draft.load_verifier_embedding(...) or export against the verifier the draft was trained with"
+            "served drafts read the verifier's embedding, so this export would not behave as trained",
+            fix="load it with draft.load_verifier_embedding(...) or export against the verifier the draft was trained with",
         )
 
 
@@ -316,13 +304,16 @@ def export_draft(
     dtype: str = "bfloat16",
     card: dict | None = None,
     speculators: bool = False,
+    ship_embedding: bool = False,
 ) -> Path:
     """Write the serving checkpoint of ``draft`` (trained for the verifier in ``verifier_dir``) to ``out_dir``.
 
     ``card`` fills README.md (see ``model_card``); ``card["num_speculative_tokens"]`` sets the chain length of the
-    speculators config. With ``speculators`` the speculators-format copy goes to ``speculators_dir(out_dir)``.
-    Returns ``out_dir``. Refuses (ValueError) a draft whose embedding is not the verifier's, and any result that
-    ``check_checkpoint`` finds an error in.
+    speculators config. With ``speculators`` the speculators-format copy goes to ``speculators_dir(out_dir)``. With
+    ``ship_embedding`` the LlamaForCausalLMEagle3 folder also carries the verifier's embedding (and
+    ``target_hidden_size``); without it, every consumer reads the verifier's own. Returns ``out_dir``. Refuses
+    (``ExportError``) a draft whose embedding is not the verifier's, and any result that ``check_checkpoint`` finds
+    an error in.
     """
     verifier_dir, out_dir = Path(verifier_dir), Path(out_dir)
     cfg = draft.config
@@ -330,23 +321,28 @@ def export_draft(
     _check_draft_fits_verifier(draft, verifier, verifier_dir)
     torch_dtype = parse_dtype(dtype)
     dtype_name = DTYPE_NAMES[torch_dtype]
-    name = str((card or {}).get("verifier") or verifier_name(verifier_dir))
-    tensors = serving_tensors(draft, torch_dtype)
+    name = str((card or {}).get("verifier") or verifier_hub_id(verifier_dir))
+    tensors = serving_tensors(draft, torch_dtype, ship_embedding)
     validate = _raise_on_errors(verifier_dir)
 
     from safetensors.torch import save_file
 
     def write_serving(folder: Path) -> None:
-        (folder / "config.json").write_text(json.dumps(serving_config(cfg, verifier, dtype_name, name), indent=2) + "\n")
+        config = serving_config(cfg, verifier, dtype_name, name, ship_embedding)
+        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
-        (folder / "README.md").write_text(model_card(cfg, name, verifier, dtype_name, card))
+        (folder / "README.md").write_text(model_card(cfg, name, verifier, dtype_name, card, ship_embedding))
 
     _write_folder(out_dir, write_serving, validate)
     log.info("wrote serving checkpoint %s (%s)", out_dir, dtype_name)
 
     if speculators:
         tokens = int((card or {}).get("num_speculative_tokens") or DEFAULT_SPECULATIVE_TOKENS)
-        renamed = {("layers.0." + k[len("midlayer.") :] if k.startswith("midlayer.") else k): v for k, v in tensors.items()}
+        renamed = {
+            ("layers.0." + k[len("midlayer.") :] if k.startswith("midlayer.") else k): v
+            for k, v in tensors.items()
+            if k != "embed_tokens.weight"
+        }
 
         def write_speculators(folder: Path) -> None:
             config = speculators_config(cfg, verifier, dtype_name, name, tokens)
@@ -357,125 +353,6 @@ def export_draft(
         _write_folder(speculators_dir(out_dir), write_speculators, validate)
         log.info("wrote speculators-format checkpoint %s", speculators_dir(out_dir))
     return out_dir
-
-
-# ----------------------------------------------------------------------------------------------------------- import
-
-
-def _rope_from_config(config: dict) -> tuple[float, dict | None]:
-    params = config.get("rope_parameters") or {}
-    if params and "rope_theta" not in params and "rope_type" not in params:
-        params = params.get("full_attention") or next(iter(params.values()))  # per-layer-type RoPE
-    theta = config.get("rope_theta") or params.get("rope_theta") or 10000.0
-    scaling = config.get("rope_scaling") or None
-    if scaling is None and params.get("rope_type", params.get("type", "default")) != "default":
-        scaling = dict(params)
-    return float(theta), scaling
-
-
-def _aux_layer_ids(raw: dict, num_target_layers: int | None) -> list[int]:
-    top = raw.get("eagle_aux_hidden_state_layer_ids")
-    if top:
-        return [int(i) for i in top]
-    eagle_config = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
-    if eagle_config.get("eagle_aux_hidden_state_layer_ids"):
-        return [int(i) + 1 for i in eagle_config["eagle_aux_hidden_state_layer_ids"]]
-    if num_target_layers is None:
-        raise ValueError(
-            "the checkpoint names no aux layer ids and the verifier's depth is unknown; pass verifier_dir so the "
-            "engines' default [2, L//2, L-3] can be used"
-        )
-    # What vLLM and SGLang capture when a checkpoint names no ids.
-    return default_aux_layer_ids(num_target_layers)
-
-
-def _sorted_vocab(
-    d2t: torch.Tensor, lm_head: torch.Tensor, vocab_size: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(d2t, t2d, lm_head) with draft ids in increasing verifier-id order, the order fledge's draft requires.
-
-    Engines scatter logits to ``i + d2t[i]`` and do not care about the order, so a third party may use any: permuting
-    the draft ids together with the rows of lm_head changes nothing the draft computes.
-    """
-    targets = torch.arange(d2t.numel()) + d2t.long()
-    if int(targets.min()) < 0 or int(targets.max()) >= vocab_size or torch.unique(targets).numel() != targets.numel():
-        raise ValueError("d2t maps draft ids outside the verifier vocabulary or twice to one id; run `fledge export check`")
-    order = torch.argsort(targets)
-    targets = targets[order]
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
-    t2d[targets] = True
-    return targets - torch.arange(targets.numel()), t2d, lm_head[order]
-
-
-def load_exported(path: Path, verifier_dir: Path | None = None) -> Eagle3Draft:
-    """An ``Eagle3Draft`` (float32, eval mode) from a serving checkpoint: fledge's, or a third party's in the
-    LlamaForCausalLMEagle3 or speculators format.
-
-    The embedding is the checkpoint's when it ships one (what vLLM serves), otherwise the verifier's from
-    ``verifier_dir``; a shipped embedding that differs from the verifier's is logged, since SGLang would use the
-    verifier's instead.
-    """
-    path = Path(path)
-    ckpt = read_serving_checkpoint(path)
-    flat, raw = ckpt.config, ckpt.raw_config
-    if ckpt.format == "speculators" and flat.get("norm_before_residual", True):
-        raise ValueError(
-            f"{path}: norm_before_residual is true (or absent, which vLLM reads as true); fledge's draft keeps the raw "
-            "hidden state on the residual and cannot represent this head"
-        )
-    verifier = read_verifier_config(verifier_dir) if verifier_dir is not None else None
-    num_target_layers = int(verifier["num_hidden_layers"]) if verifier is not None else None
-    if num_target_layers is None and isinstance(raw.get("fledge"), dict):
-        num_target_layers = raw["fledge"].get("verifier_num_hidden_layers")
-    if int(flat.get("num_hidden_layers", 1)) != 1:
-        raise ValueError(f"{path}: num_hidden_layers is {flat.get('num_hidden_layers')}; fledge's draft has one layer")
-    heads = int(flat["num_attention_heads"])
-    rope_theta, rope_scaling = _rope_from_config(flat)
-    vocab_size = int(flat["vocab_size"])
-    config = Eagle3Config(
-        hidden_size=int(flat["hidden_size"]),
-        intermediate_size=int(flat["intermediate_size"]),
-        num_attention_heads=heads,
-        num_key_value_heads=int(flat.get("num_key_value_heads") or heads),
-        head_dim=int(flat.get("head_dim") or int(flat["hidden_size"]) // heads),
-        vocab_size=vocab_size,
-        draft_vocab_size=int(flat.get("draft_vocab_size") or vocab_size),
-        target_hidden_size=int(flat.get("target_hidden_size") or flat["hidden_size"]),
-        rms_norm_eps=float(flat.get("rms_norm_eps", 1e-6)),
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
-        max_position_embeddings=int(flat.get("max_position_embeddings", 2048)),
-        aux_layer_ids=_aux_layer_ids(raw, num_target_layers),
-        hidden_act=str(flat.get("hidden_act", "silu")),
-    )
-    draft = Eagle3Draft(config)
-
-    state = {k: v for k, v in ckpt.tensors.items() if k not in ("embed_tokens.weight", "d2t", "t2d")}
-    d2t = ckpt.tensors.get("d2t")
-    if d2t is None:
-        if config.draft_vocab_size != vocab_size:
-            raise ValueError(f"{path}: no d2t, but the draft vocabulary is smaller than the verifier's")
-        d2t = torch.zeros(config.draft_vocab_size, dtype=torch.long)
-    if "lm_head.weight" not in state:
-        raise KeyError(f"{path}: no lm_head.weight")
-    d2t, t2d, state["lm_head.weight"] = _sorted_vocab(d2t, state["lm_head.weight"], vocab_size)
-    shipped_t2d = ckpt.tensors.get("t2d")
-    if shipped_t2d is not None and not torch.equal(shipped_t2d.bool(), t2d):
-        log.warning("%s: t2d disagrees with d2t; using the mask implied by d2t (what the engines use)", path)
-    draft.load_trainable_state_dict({**state, "d2t": d2t, "t2d": t2d})
-
-    shipped = ckpt.tensors.get("embed_tokens.weight")
-    if verifier_dir is not None:
-        verifier_embed, _ = load_embed_and_head(Path(verifier_dir))
-        if shipped is not None and relative_difference(shipped, verifier_embed) > EMBEDDING_RTOL:
-            log.warning("%s ships an embedding that differs from the verifier's; using the shipped one (as vLLM)", path)
-    if shipped is not None:
-        draft.load_verifier_embedding(shipped.float())
-    elif verifier_dir is not None:
-        draft.load_verifier_embedding(verifier_embed.float())
-    else:
-        raise ValueError(f"{path} ships no embedding: pass verifier_dir (the draft reads the verifier's embedding)")
-    return draft.eval()
 
 
 def tau_from_report(report: Any) -> dict[str, float]:

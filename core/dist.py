@@ -1,0 +1,81 @@
+"""The launch contract: RANK / LOCAL_RANK / WORLD_SIZE from the environment (torchrun, deepspeed, SLURM wrappers).
+
+Without them everything runs as a single process and joins no process group. Stages that split work over ranks
+(regenerate, cache, train) join one here; only ``train/engine.py`` adds what DeepSpeed wants on top. The model
+files know nothing of ranks.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def dist_info() -> DistInfo:
+    return DistInfo(
+        rank=int(os.environ.get("RANK", 0)),
+        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+        world_size=int(os.environ.get("WORLD_SIZE", 1)),
+    )
+
+
+def pick_device(device: str, info: DistInfo | None = None) -> torch.device:
+    """``auto`` is this rank's GPU (cuda:LOCAL_RANK) when CUDA is there, else the CPU; anything else as given."""
+    if device == "auto":
+        local_rank = (info or dist_info()).local_rank
+        return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device(device)
+
+
+def backend_for(device: torch.device, backend: str = "auto") -> str:
+    """nccl on CUDA, gloo on CPU, unless a backend is named."""
+    if backend != "auto":
+        return backend
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_process_group(device: str = "auto", backend: str = "auto") -> tuple[DistInfo, torch.device]:
+    """This process's rank and device; with several ranks, join their process group (idempotent)."""
+    info = dist_info()
+    where = pick_device(device, info)
+    if where.type == "cuda":
+        torch.cuda.set_device(where)
+    if info.distributed and not dist.is_initialized():
+        dist.init_process_group(backend=backend_for(where, backend))
+    return info, where
+
+
+def barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
+    """Sum a small tensor over ranks (a copy; the input itself in a single process)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        values = values.clone()
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    return values
+
+
+def cleanup() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
