@@ -173,7 +173,9 @@ def write_shard(
         "final": torch.cat(final).contiguous(),
     }
     final_path = shard_dir / f"{shard_name(s)}.safetensors"
-    atomic_write(final_path, lambda tmp: save_file(tensors, str(tmp)), before_replace=lambda: _fault_point("before_rename"))
+    atomic_write(
+        final_path, lambda tmp: save_file(tensors, str(tmp)), before_replace=lambda: _fault_point("before_rename")
+    )
     record = {
         "shard": s,
         "file": f"{SHARD_DIR}/{final_path.name}",

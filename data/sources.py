@@ -286,7 +286,10 @@ def iter_jsonl(path: Path, skipped: Counter, progress: bool = True) -> Iterator[
             parsed += 1
             yield record
     if parsed == 0:
-        raise DataError(first_error or f"{path}: no records (the file is empty)")
+        raise DataError(
+            first_error or f"{path}: no records (the file is empty)",
+            fix="give a UTF-8 JSON Lines file, one ShareGPT or OpenAI record per line",
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------

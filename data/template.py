@@ -92,7 +92,9 @@ def end_of_turn_token(tokenizer, template_kwargs: dict[str, Any] | None = None) 
     )
 
 
-def stop_token_ids(tokenizer, generation_config: Any = None, template_kwargs: dict[str, Any] | None = None) -> list[int]:
+def stop_token_ids(
+    tokenizer, generation_config: Any = None, template_kwargs: dict[str, Any] | None = None
+) -> list[int]:
     """The tokens that end an answer: the chat template's end-of-turn token, the tokenizer's eos and the model's
     generation-config eos (one id or a list). Regeneration stops on them and evaluation cuts its outputs at them."""
     ids: set[int] = set()

@@ -1,6 +1,6 @@
 """Acceptance metrics: pure functions of an acceptance trace (accepted drafts per verifier call).
 
-Definitions (DESIGN.md "Acceptance"):
+Definitions (docs/design.md, "Acceptance"):
 * τ, the acceptance length, is the mean over verifier calls of (accepted draft tokens + 1): tokens per call.
 * n-α is P(the depth-n draft is accepted | all drafts before it were accepted), for chain drafting.
 * The per-token acceptance rate α pools every depth: accepted drafts / drafts that were decided on (a round with

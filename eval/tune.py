@@ -186,9 +186,15 @@ def measure_verify_cost(
                 state.crop(length)
                 if attempt:  # the first pass is untimed: first calls pay for allocation
                     best[k] = min(best[k], seconds)
+    return relative_costs(best)
+
+
+def relative_costs(seconds: dict[int, float]) -> dict[int, float]:
+    """v(k) from the fastest time of each k: seconds[k] / seconds[1], made non-decreasing in k (a forward over
+    more tokens never costs less; a smaller measured ratio is noise that survived the minimum)."""
     out, floor = {}, 0.0
-    for k in ks:
-        floor = max(floor, best[k] / best[1])
+    for k in sorted(seconds):
+        floor = max(floor, seconds[k] / seconds[1])
         out[k] = floor
     return out
 
@@ -222,5 +228,6 @@ def measure_tree_draft_seconds(
 
 __all__ = [
     "PLAIN", "Candidate", "CostModel", "candidates", "chain_candidate", "expected_tokens", "format_table",
-    "measure_tree_draft_seconds", "measure_verify_cost", "overhead_from_run", "recommend", "tree_candidate",
+    "measure_tree_draft_seconds", "measure_verify_cost", "overhead_from_run", "recommend", "relative_costs",
+    "tree_candidate",
 ]

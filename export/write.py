@@ -280,7 +280,8 @@ def _check_draft_fits_verifier(draft: Eagle3Draft, verifier: dict, verifier_dir:
     if int(verifier["hidden_size"]) != cfg.target_hidden_size or int(verifier["vocab_size"]) != cfg.vocab_size:
         raise ExportError(
             f"the draft (target_hidden_size {cfg.target_hidden_size}, vocab_size {cfg.vocab_size}) was not built for "
-            f"the verifier in {verifier_dir} (hidden_size {verifier['hidden_size']}, vocab_size {verifier['vocab_size']})",
+            f"the verifier in {verifier_dir} (hidden_size {verifier['hidden_size']}, "
+            f"vocab_size {verifier['vocab_size']})",
             fix="export against the verifier the draft was trained with",
         )
     embed, _ = load_embed_and_head(verifier_dir)
@@ -289,7 +290,8 @@ def _check_draft_fits_verifier(draft: Eagle3Draft, verifier: dict, verifier_dir:
         raise ExportError(
             f"the draft's embed_tokens differs from the verifier's in {verifier_dir} (relative difference {diff:.3g}): "
             "served drafts read the verifier's embedding, so this export would not behave as trained",
-            fix="load it with draft.load_verifier_embedding(...) or export against the verifier the draft was trained with",
+            fix="load it with draft.load_verifier_embedding(...), or export against the verifier the draft was "
+            "trained with",
         )
 
 

@@ -120,12 +120,13 @@ def config_error_line(error: BaseException) -> str | None:
 
     if not isinstance(error, (HydraException, OmegaConfBaseException)):
         return None
+    text = str(error).split("Config search path:")[0]  # an unknown option lists the choices, then the paths
     # Hydra adds "To append to your config use +key=value": a misspelt key is the likelier cause.
-    lines = [ln.strip() for ln in str(error).splitlines() if ln.strip() and not ln.strip().startswith("To append")]
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("To append")]
     cause = error.__cause__
     if cause is not None:
         lines += [ln.strip() for ln in str(cause).splitlines()[:1] if ln.strip()]
-    return "; ".join(lines)
+    return "; ".join(ln.rstrip(".;:") for ln in lines).replace("options in 'preset'; ", "options in 'preset': ")
 
 
 def fail(name: str, reason: str) -> None:

@@ -181,7 +181,9 @@ def read_verifier_config(verifier_dir: Path) -> dict:
     """The verifier's text-model config.json as a dict (``text_config`` for multimodal wrappers)."""
     path = Path(verifier_dir) / "config.json"
     if not path.is_file():
-        raise ServingFormatError(f"verifier directory {verifier_dir} has no config.json", fix="pass the verifier's folder")
+        raise ServingFormatError(
+            f"verifier directory {verifier_dir} has no config.json", fix="pass the verifier's folder"
+        )
     hf = json.loads(path.read_text())
     text = dict(hf.get("text_config") or hf)
     text.setdefault("architectures", hf.get("architectures"))
@@ -252,7 +254,9 @@ def load_exported(path: Path, verifier_dir: Path | None = None) -> Eagle3Draft:
     if num_target_layers is None and isinstance(raw.get("fledge"), dict):
         num_target_layers = raw["fledge"].get("verifier_num_hidden_layers")
     if int(flat.get("num_hidden_layers", 1)) != 1:
-        raise ServingFormatError(f"{path}: num_hidden_layers is {flat.get('num_hidden_layers')}; fledge's draft has one layer")
+        raise ServingFormatError(
+            f"{path}: num_hidden_layers is {flat.get('num_hidden_layers')}; fledge's draft has one layer"
+        )
     heads = int(flat["num_attention_heads"])
     rope_theta, rope_scaling = rope_settings(flat, default_theta=10000.0)
     vocab_size = int(flat["vocab_size"])

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny_verifier, write_sharegpt_jsonl
 from safetensors.torch import load_file
 
 from fledge.data.cache import CacheError, CacheReader, plan_shards
 from fledge.launch.cli import run_stage
+
+from conftest import make_tiny_verifier, write_sharegpt_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -177,7 +178,10 @@ def test_two_process_torchrun_cache_equals_one_process(built, tiny_verifier_dir,
     one = json.loads((clean / "manifest.json").read_text())
     two = json.loads((cache_dir / "manifest.json").read_text())
     assert [s["sha256"] for s in one["shards"]] == [s["sha256"] for s in two["shards"]]
-    assert load_file(str(cache_dir / "draft_vocab.safetensors")).keys() == load_file(str(clean / "draft_vocab.safetensors")).keys()
+    two_vocab, one_vocab = (load_file(str(d / "draft_vocab.safetensors")) for d in (cache_dir, clean))
+    assert two_vocab.keys() == one_vocab.keys() == {"d2t", "t2d", "counts"}
+    for key in one_vocab:
+        assert torch.equal(two_vocab[key], one_vocab[key]), key
 
 
 def test_plan_is_length_sorted_within_budget():

@@ -191,6 +191,45 @@ def test_serving_config_and_tensors(run_dir, verifier_dir, tmp_path):
     assert "tiny-llama" in card and "tiny chats" in card and "not measured" in card
 
 
+def test_every_consumer_reads_the_verifier_embedding(verifier_dir, tmp_path):
+    """By default neither target_hidden_size nor an embedding: vLLM and SGLang fall back to hidden_size and the
+    official EAGLE code loads the verifier's embedding. ship_embedding=true writes both, the embedding the
+    verifier's, and the served draft is the same one."""
+    draft = make_draft(verifier_dir, seed=7)
+    plain = export_draft(draft, verifier_dir, tmp_path / "plain", dtype="float32")
+    shipped = export_draft(draft, verifier_dir, tmp_path / "shipped", dtype="float32", ship_embedding=True)
+    plain_config = json.loads((plain / "config.json").read_text())
+    shipped_config = json.loads((shipped / "config.json").read_text())
+    assert "target_hidden_size" not in plain_config and shipped_config["target_hidden_size"] == H
+    assert "embed_tokens.weight" not in load_file(str(plain / "model.safetensors"))
+    embed = load_file(str(shipped / "model.safetensors"))["embed_tokens.weight"]
+    assert torch.equal(embed, load_embed_and_head(verifier_dir)[0])
+    assert check_checkpoint(plain, verifier_dir) == [] and check_checkpoint(shipped, verifier_dir) == []
+    assert "(shipped too)" in (shipped / "README.md").read_text()
+    # The shipped folder imports without the verifier; both serve exactly the trained draft.
+    reference = draft_outputs(draft)[0]
+    assert torch.equal(draft_outputs(load_exported(shipped))[0], reference)
+    assert torch.equal(draft_outputs(load_exported(plain, verifier_dir))[0], reference)
+
+
+def test_the_card_names_the_verifiers_hub_id(tmp_path):
+    """The serving commands of the model card name what the engines would serve: the Hub id."""
+    from fledge.models.verifier import SOURCE_FILE, verifier_hub_id
+
+    converted = tmp_path / "verifiers" / "smollm2-135m-instruct"
+    converted.mkdir(parents=True)
+    (converted / SOURCE_FILE).write_text(json.dumps({"gguf": "/x/SmolLM2-135M-Instruct.Q4_1.gguf",
+                                                     "hub_id": "HuggingFaceTB/SmolLM2-135M-Instruct"}))
+    assert verifier_hub_id(converted) == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    # Converted before the id was recorded: the embedded GGUF's file name still tells.
+    (converted / SOURCE_FILE).write_text(json.dumps({"gguf": "/x/SmolLM2-135M-Instruct.Q4_1.gguf"}))
+    assert verifier_hub_id(converted) == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    snapshot = tmp_path / "hub" / "models--meta-llama--Llama-3.1-8B-Instruct" / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    assert verifier_hub_id(snapshot) == "meta-llama/Llama-3.1-8B-Instruct"
+    assert verifier_hub_id(tmp_path / "hub") == "hub"  # any other folder: its name
+
+
 def test_rope_scaling_reaches_the_config_and_back(tmp_path):
     """A llama3-scaled verifier: vLLM/SGLang read rope_theta + rope_scaling, transformers 5 rope_parameters."""
     from transformers import AutoConfig
@@ -347,9 +386,9 @@ def test_cli_composes_and_dispatches(run_dir, verifier_dir, tmp_path, capsys):
 @pytest.mark.slow
 def test_cache_train_export_check_import(tmp_path, smollm_tokenizer):
     """The whole pipeline on a tiny verifier: fledge cache -> fledge train (2 steps) -> fledge export -> check -> import."""
-    from conftest import make_tiny_verifier, write_sharegpt_jsonl
-
     from fledge.launch.cli import run_stage
+
+    from conftest import make_tiny_verifier, write_sharegpt_jsonl
 
     vdir = make_tiny_verifier(tmp_path, "llama", smollm_tokenizer)
     convs = write_sharegpt_jsonl(tmp_path / "convs.jsonl", 16)

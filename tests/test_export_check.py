@@ -108,6 +108,8 @@ FAILURE_MODES = {
     "random embedding": (None, lambda w, e: w.update({"embed_tokens.weight": 0.02 * torch.randn(V, H)}), "embedding-mismatch"),
     "shifted layer ids": (_shift_ids, None, "layer-ids-shifted"),
     "two layers": (_set("num_hidden_layers", 2), None, "num-layers"),
+    # The official EAGLE code then expects the checkpoint's own embedding and runs with a random one.
+    "target_hidden_size without an embedding": (_set("target_hidden_size", H), None, "eagle-random-embedding"),
 }
 
 
@@ -163,6 +165,9 @@ def test_embedding_checks_need_the_verifier(clean, verifier_dir, tmp_path):
     embed = load_embed_and_head(verifier_dir)[0]
     same = broken(clean, tmp_path / "same", tensors=lambda w: w.update({"embed_tokens.weight": embed.to(torch.bfloat16)}))
     assert check_checkpoint(same, verifier_dir) == []  # the verifier's own embedding (bf16-rounded) is fine
+    # ... and so is target_hidden_size once the embedding ships: every consumer then reads the same one.
+    shipped = broken(same, tmp_path / "shipped", config=_set("target_hidden_size", H))
+    assert check_checkpoint(shipped, verifier_dir) == []
     random = broken(clean, tmp_path / "random", tensors=lambda w: w.update({"embed_tokens.weight": torch.randn(V, H)}))
     assert codes(random, None, "warning") == {"embedding-unverified"}
     assert check_main([str(random)]) == 0  # cannot be judged without the verifier: a warning, not an error
@@ -218,3 +223,44 @@ def test_indices_rule():
     overflowing = torch.arange(10) * 4 + 10  # ids 10..46; as offsets, i + d2t reaches 55 > 49: the message says so
     verdict, evidence = looks_like_indices(overflowing, 50, None)
     assert verdict and "map past" in evidence
+
+
+PUBLISHED = Path(__file__).parent / "fixtures" / "published" / "eagle3-llama3.1-instruct-8b"
+
+
+def test_a_published_eagle3_checkpoint_checks_and_imports(verifier_dir, tmp_path):
+    """The EAGLE-3 authors' Llama-3.1-8B draft (its config.json and tensor names, fixtures/published/): its shapes
+    are the ones fledge expects, and a scaled-down copy passes the check and imports."""
+    from fledge.models.serving import expected_shapes, load_exported
+
+    config = json.loads((PUBLISHED / "config.json").read_text())
+    published = {name: tuple(shape) for name, shape in json.loads((PUBLISHED / "tensors.json").read_text()).items()}
+    full = expected_shapes(config)
+    assert {k: v for k, v in published.items() if k not in ("d2t", "t2d")} == full
+    assert published["d2t"] == (config["draft_vocab_size"],) and published["t2d"] == (config["vocab_size"],)
+
+    # Every width scaled to the tiny verifier; the names and every other key kept, the file format too.
+    small = {**config, "hidden_size": H, "intermediate_size": 2 * H, "num_attention_heads": 4,
+             "num_key_value_heads": 1, "vocab_size": V, "draft_vocab_size": DRAFT_V}
+    shapes = expected_shapes(small)
+    g = torch.Generator().manual_seed(11)
+    tensors = {name: (0.05 * torch.randn(shapes[name], generator=g)).to(torch.float16) for name in full}
+    ids = torch.sort(torch.randperm(V, generator=g)[:DRAFT_V]).values
+    tensors["d2t"] = ids - torch.arange(DRAFT_V)
+    tensors["t2d"] = torch.zeros(V, dtype=torch.bool).index_fill_(0, ids, True)
+    assert set(tensors) == set(published)
+    folder = tmp_path / "eagle3-llama3.1-instruct-8b-small"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(small))
+    torch.save(tensors, folder / "pytorch_model.bin")
+
+    findings = check_checkpoint(folder, verifier_dir)
+    # It loads right in every engine; what it leaves to their defaults is reported, nothing more.
+    assert sorted((f.level, f.code) for f in findings) == [("warning", "layer-ids-missing"), ("warning", "rope-missing")]
+    draft = load_exported(folder, verifier_dir)
+    assert draft.config.aux_layer_ids == [2, LAYERS // 2, LAYERS - 3]  # the engines' default, as they serve it
+    assert draft.config.rope_theta == 10000.0 and draft.config.rms_norm_eps == 1e-05
+    state = draft.state_dict()
+    for name in full:
+        assert torch.equal(state[name], tensors[name].float()), name
+    assert torch.equal(draft.d2t, tensors["d2t"]) and torch.equal(draft.t2d, tensors["t2d"])

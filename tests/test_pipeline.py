@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 
 import pytest
-from conftest import write_sharegpt_jsonl
 from hydra.errors import ConfigCompositionException
 
 from fledge.launch.cli import CONF_DIR, STAGES, compose_config, main
 from fledge.launch.quickstart import QuickstartConfig, run_pipeline, split_argv
+
+from conftest import write_sharegpt_jsonl
 
 
 def shipped_configs() -> list[str]:
@@ -20,7 +22,8 @@ def shipped_configs() -> list[str]:
 def test_every_shipped_config_composes(name):
     assert name in STAGES, f"conf/{name}.yaml has no stage in launch/cli.py"
     cfg = compose_config(name)
-    assert type(cfg).__name__.endswith("Config")
+    module, _, cls = STAGES[name].config.partition(":")
+    assert isinstance(cfg, getattr(importlib.import_module(module), cls))
 
 
 PRESETS = sorted(p.stem for p in (CONF_DIR / "preset").glob("*.yaml") if p.stem != "none")
@@ -119,7 +122,13 @@ def test_quickstart_pipeline_on_a_tiny_verifier(tmp_path, tiny_verifier_dir):
     report = json.loads((run / "eval" / "report.json").read_text())
     entry = report["sets"]["prompts"]["drafters"]["eagle3"]
     assert entry["greedy_match_rate"] == 1.0  # lossless whatever the draft's quality
-    assert 1.0 <= entry["tau"] <= 1 + 5
+    # τ is the mean of (accepted + 1) over the verifier calls that the histogram counts.
+    histogram = entry["histogram"]
+    assert sum(histogram) == entry["rounds"] == entry["verifier_calls"]
+    assert entry["tau"] == pytest.approx(sum((k + 1) * n for k, n in enumerate(histogram)) / sum(histogram))
+    # Every round commits its accepted drafts and one token of the verifier's; only the last may be cut short.
+    prompts_run = report["sets"]["prompts"]["num_prompts"]
+    assert entry["tokens"] <= entry["tau"] * entry["rounds"] < entry["tokens"] + prompts_run * (1 + 5)
     assert (run / "eval" / "acceptance.png").stat().st_size > 0
     assert (run / "export" / "config.json").is_file() and (run / "export" / "model.safetensors").is_file()
     assert main_exit(["export", "check", str(run / "export"), "--verifier", str(tiny_verifier_dir)]) == 0

@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import write_sharegpt_jsonl
 
 from fledge.data.regenerate import RegenerateError, RegenerateOptions, generate_batch
 from fledge.data.sources import DataConfig, load_conversations
 from fledge.launch.cli import run_stage
 from fledge.models.verifier import VerifierConfig, load_verifier
+
+from conftest import write_sharegpt_jsonl
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -9,7 +9,6 @@ import random
 
 import pytest
 import torch
-from conftest import write_random_draft_run
 
 from fledge.eval.chain import generate_chain
 from fledge.eval.drafters import EagleDrafter, PromptLookupDrafter, RandomDrafter
@@ -23,6 +22,8 @@ from fledge.models.capture import capture_hidden
 from fledge.models.draft import Eagle3Config, Eagle3Draft
 from fledge.models.sampling import SamplingParams
 from fledge.models.verifier import VerifierConfig, load_verifier
+
+from conftest import write_random_draft_run
 
 VOCAB = 256
 

@@ -45,9 +45,16 @@ def test_bench_runs_and_reports(capsys):
     text = capsys.readouterr().out
     assert "tokens/s" in text and "MFU" in text
     assert [r["dtype"] for r in out["results"]] == ["fp32", "bf16"]
+    cfg = TrainBenchConfig(**TINY)
+    flops = train_step_flops(cfg.draft_config(), cfg.batch_size, cfg.seq_len, cfg.ttt_steps, counted_positions(cfg))
     for r in out["results"]:
-        assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 2 and r["peak_tflops_per_s"] > 0
-        assert r["flops_per_step"]["total"] > r["flops_per_step"]["lm_head"] > 0
+        # Each figure is what its definition says, from the measured step time and the measured peak.
+        assert r["flops_per_step"] == flops
+        assert r["tokens_per_s"] == pytest.approx(cfg.batch_size * cfg.seq_len / r["step_s"], rel=1e-12)
+        assert r["model_tflops_per_s"] == pytest.approx(flops["total"] / r["step_s"] / 1e12, rel=1e-12)
+        assert r["mfu"] == pytest.approx(r["model_tflops_per_s"] / r["peak_tflops_per_s"], rel=1e-12)
+        peak = out["peaks"][r["dtype"]]
+        assert r["peak_tflops_per_s"] == pytest.approx(peak / 1e12, rel=1e-12)
 
 
 def test_bench_config_is_checked():

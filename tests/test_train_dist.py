@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_jsonl
 from safetensors.torch import load_file
-from test_train_fixtures import build_cache, run_cli, shared_root, train_overrides
 
 from fledge.models.draft_folder import complete_checkpoints, load_draft
+
+from conftest import read_jsonl
+from test_train_fixtures import build_cache, run_cli, shared_root, train_overrides
 
 pytestmark = pytest.mark.slow
 

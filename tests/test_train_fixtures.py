@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import torch
+
 from conftest import make_tiny_verifier, write_sharegpt_jsonl
 
 REPO = Path(__file__).resolve().parent.parent

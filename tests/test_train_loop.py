@@ -10,14 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_jsonl
 from safetensors.torch import load_file
-from test_train_fixtures import build_cache, shared_root, train_overrides
-from wandb_reader import read_wandb_history
 
 from fledge.launch.cli import run_stage
 from fledge.models.draft_folder import complete_checkpoints, load_draft
 from fledge.train.logger import tau_sim
+
+from conftest import read_jsonl
+from test_train_fixtures import build_cache, shared_root, train_overrides
+from wandb_reader import read_wandb_history
 
 TRAIN_KEYS = {"loss", "ploss_0", "ploss_1", "ploss_2", "acc_0", "acc_1", "acc_2", "tau_sim", "lr", "grad_norm",
               "tokens_per_s", "skipped_steps"}

@@ -6,10 +6,11 @@ Slow (~1-3 min on 2 shared cores); the fast smoke version is in test_train_loop.
 from __future__ import annotations
 
 import pytest
-from conftest import read_jsonl
-from test_train_fixtures import build_cache, shared_root, train_overrides
 
 from fledge.launch.cli import run_stage
+
+from conftest import read_jsonl
+from test_train_fixtures import build_cache, shared_root, train_overrides
 
 
 @pytest.mark.slow

@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-from conftest import write_random_draft_run
 
 from fledge.eval.proposals import TreeShape
 from fledge.eval.tune import (
@@ -18,8 +17,11 @@ from fledge.eval.tune import (
     measure_verify_cost,
     overhead_from_run,
     recommend,
+    relative_costs,
     tree_candidate,
 )
+
+from conftest import write_random_draft_run
 
 # α_1 = 0.5, α_2 = 0.4, depth 3 never reached.
 N_ALPHA = [0.5, 0.4, None]
@@ -90,7 +92,13 @@ def test_measure_verify_cost_on_a_tiny_verifier(tiny_verifier_dir):
     verifier = load_verifier(VerifierConfig(name_or_path=str(tiny_verifier_dir), dtype="float32"))
     v = measure_verify_cost(verifier.model, torch.arange(3, 20), [2, 5, 12], verifier.aux_layer_ids, repeats=1)
     assert sorted(v) == [1, 2, 5, 12] and v[1] == 1.0
-    assert v[1] <= v[2] <= v[5] <= v[12]  # more tokens never cost less
+
+
+def test_relative_costs_divide_by_one_token_and_never_fall():
+    # A k=2 forward measured faster than k=1 (noise the minimum kept) counts as 1.0, and so on up.
+    seconds = {1: 2.0, 2: 1.9, 5: 3.0, 12: 2.5, 20: 8.0}
+    assert relative_costs(seconds) == {1: 1.0, 2: 1.0, 5: 1.5, 12: 1.5, 20: 4.0}
+    assert relative_costs({1: 0.5, 3: 1.0}) == {1: 1.0, 3: 2.0}
 
 
 def test_tune_command_end_to_end(tiny_verifier_dir, tmp_path, capsys):

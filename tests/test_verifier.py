@@ -6,7 +6,6 @@ import time
 
 import pytest
 import torch
-from conftest import TINY_ARCHS, make_tiny_verifier
 
 from fledge.models.capture import capture_hidden, forward_hidden
 from fledge.models.verifier import (
@@ -19,6 +18,8 @@ from fledge.models.verifier import (
     resolve_verifier_dir,
     weight_fingerprint,
 )
+
+from conftest import TINY_ARCHS, make_tiny_verifier
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
