@@ -8,6 +8,8 @@ files know nothing of ranks.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +63,15 @@ def init_process_group(device: str = "auto", backend: str = "auto") -> tuple[Dis
     if info.distributed and not dist.is_initialized():
         dist.init_process_group(backend=backend_for(where, backend))
     return info, where
+
+
+@contextmanager
+def process_group(device: str = "auto", backend: str = "auto") -> Iterator[tuple[DistInfo, torch.device]]:
+    """``init_process_group`` for the length of a stage; the group is destroyed on the way out, error or not."""
+    try:
+        yield init_process_group(device, backend)
+    finally:
+        cleanup()
 
 
 def barrier() -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from fledge.core.dist import DistInfo, barrier, cleanup, init_process_group
+from fledge.core.dist import DistInfo, barrier, process_group
 from fledge.core.files import atomic_write_text
 from fledge.data.cache import (
     FORMAT_VERSION,
@@ -280,11 +280,8 @@ def _already_complete(cache_dir: Path, cfg: CacheJobConfig) -> bool:
 
 
 def run(cfg: CacheJobConfig) -> Path:
-    info, device = init_process_group(cfg.cache.device)
-    try:
+    with process_group(cfg.cache.device) as (info, device):
         return _run(cfg, info, device)
-    finally:
-        cleanup()
 
 
 def _run(cfg: CacheJobConfig, info: DistInfo, device: torch.device) -> Path:

@@ -31,7 +31,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from fledge.core.dist import DistInfo, barrier, cleanup, init_process_group
+from fledge.core.dist import DistInfo, barrier, process_group
 from fledge.core.errors import ConfigError, FledgeError
 from fledge.core.files import atomic_write_text
 from fledge.data.sources import Conversation, DataConfig, load_conversations
@@ -314,11 +314,8 @@ def merge(out_dir: Path, num_parts: int, record: dict[str, Any], seconds: float)
 
 
 def run(cfg: RegenerateJobConfig) -> Path:
-    info, device = init_process_group(cfg.regenerate.device)
-    try:
+    with process_group(cfg.regenerate.device) as (info, device):
         return _run(cfg, info, device)
-    finally:
-        cleanup()
 
 
 def _run(cfg: RegenerateJobConfig, info: DistInfo, device: torch.device) -> Path:

@@ -19,7 +19,7 @@ from fledge.core.errors import ConfigError
 from fledge.data.sources import load_prompts
 from fledge.eval.drafters import PromptLookupDrafter
 from fledge.eval.runner import EvalConfig, evaluate, load_eagle_drafter, report_table
-from fledge.models.verifier import VerifierConfig, load_verifier, parse_dtype
+from fledge.models.verifier import VerifierConfig, load_verifier
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ class EvalJobConfig:
     """The draft: a ``fledge train`` output dir, one of its step folders, or an exported serving checkpoint
     (a folder with config.json + model.safetensors). None evaluates the training-free baselines only."""
     verifier: VerifierConfig = field(default_factory=VerifierConfig)
-    """The verifier; its ``dtype`` must be the one the evaluation runs in (``auto``: the machine's fast one)."""
+    """The verifier; its ``dtype`` is the one the evaluation runs in (``auto``: the machine's fast one)."""
     prompts: list[str] = field(default_factory=lambda: ["mtbench"])
     """Prompt sets: ``mtbench`` (80 two-turn questions; the first turn is used), ``sharegpt``, ``hf:...``, or a
     .jsonl / .json file of {"prompt": ...}, {"turns": [...]}, ShareGPT or OpenAI records."""
@@ -49,10 +49,7 @@ def _set_name(source: str) -> str:
 
 def run(cfg: EvalJobConfig) -> dict[str, Any]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = parse_dtype(cfg.verifier.dtype, device)
-    verifier = load_verifier(cfg.verifier, device)
-    # The evaluator checks that the verifier runs in its configured dtype; "auto" resolves here, once.
-    cfg.eval.dtype = str(dtype).removeprefix("torch.")
+    verifier = load_verifier(cfg.verifier, device)  # its dtype is the evaluation's: verifier.dtype
     drafters: dict[str, Any] = {}
     draft_meta: dict[str, Any] = {}
     if cfg.draft is not None:

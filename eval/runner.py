@@ -28,7 +28,7 @@ from fledge.eval.verifier_state import DecodeResult, generate_plain
 from fledge.models.draft_folder import load_draft
 from fledge.models.sampling import SamplingParams
 from fledge.models.serving import is_serving_checkpoint, load_exported
-from fledge.models.verifier import Verifier, parse_dtype
+from fledge.models.verifier import Verifier
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +63,6 @@ class EvalConfig:
     """Use only the first prompts of each set (None: all)."""
     seed: int = 0
     """Sampling seed; each prompt restarts from it, so the baseline and each drafter see the same randomness."""
-    dtype: str = "bfloat16"
-    """The dtype the verifier runs in (the caller loads it so; checked here and reported). Losslessness is judged
-    against plain greedy decoding in this same dtype: bf16 greedy itself differs from fp32 greedy."""
     warmup_tokens: int = 8
     """A short untimed generation per method first, so that one-time setup does not count as speed."""
     out_dir: str | None = "runs/eval"
@@ -78,7 +75,6 @@ class EvalConfig:
             raise ConfigError(f"eval.num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
         if self.max_new_tokens < 1:
             raise ConfigError(f"eval.max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        parse_dtype(self.dtype)
         self.tree_shape()
         self.sampling()
 
@@ -147,10 +143,9 @@ def evaluate(
     """Run plain decoding and every drafter on every prompt set; returns (and writes) the report.
 
     ``prompts``: one set [{"id", "turns"}] or {set name: set}. ``drafters``: {name: drafter}; a None drafter is
-    plain decoding under that name. The baseline always runs first.
+    plain decoding under that name. The baseline always runs first, in the verifier's own dtype: losslessness is
+    judged against plain greedy decoding in that dtype (bf16 greedy itself differs from fp32 greedy).
     """
-    if verifier.dtype != parse_dtype(cfg.dtype):
-        raise ValueError(f"the verifier runs in {verifier.dtype} but eval.dtype is {cfg.dtype}; load it in that dtype")
     sets = prompts if isinstance(prompts, dict) else {"prompts": prompts}
     stop_ids = frozenset(stop_token_ids(verifier.tokenizer, getattr(verifier.model, "generation_config", None)))
     greedy = cfg.sampling().greedy

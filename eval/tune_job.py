@@ -31,7 +31,7 @@ from fledge.eval.tune import (
     overhead_from_run,
     recommend,
 )
-from fledge.models.verifier import VerifierConfig, load_verifier, parse_dtype
+from fledge.models.verifier import VerifierConfig, load_verifier
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +59,6 @@ class TuneJobConfig:
         TreeCandidateConfig(3, 2, 4), TreeCandidateConfig(4, 4, 16), TreeCandidateConfig(6, 8, 48),
     ])
     """EAGLE-2 tree shapes to predict; the last is EAGLE-2's default."""
-    dtype: str = "auto"
-    """The verifier's dtype (overrides ``verifier.dtype``; ``auto``: bf16 where fast, else fp32)."""
     verify_repeats: int = 5
     """Timed repeats per k when measuring v(k) (the median is kept)."""
     warmup_tokens: int = 8
@@ -86,8 +84,8 @@ class TuneJobConfig:
         return [TreeShape(depth=t.depth, top_k=t.top_k, total_tokens=t.total_tokens) for t in self.tree_shapes]
 
 
-def _eval_config(cfg: TuneJobConfig, dtype: str, out: str | None, **shape: Any) -> EvalConfig:
-    return EvalConfig(max_new_tokens=cfg.max_new_tokens, max_prompts=cfg.max_prompts, dtype=dtype,
+def _eval_config(cfg: TuneJobConfig, out: str | None, **shape: Any) -> EvalConfig:
+    return EvalConfig(max_new_tokens=cfg.max_new_tokens, max_prompts=cfg.max_prompts,
                       warmup_tokens=cfg.warmup_tokens, out_dir=out, **shape)
 
 
@@ -107,9 +105,8 @@ def _candidate_json(c: Candidate) -> dict[str, Any]:
 
 def run(cfg: TuneJobConfig) -> dict[str, Any]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cfg.verifier.dtype = cfg.dtype
-    dtype = str(parse_dtype(cfg.dtype, device)).removeprefix("torch.")
-    verifier = load_verifier(cfg.verifier, device)
+    verifier = load_verifier(cfg.verifier, device)  # verifier.dtype: auto is bf16 where fast, else fp32
+    dtype = str(verifier.dtype).removeprefix("torch.")
     drafter = load_eagle_drafter(cfg.draft, verifier)
     prompts = [p for source in cfg.prompts for p in load_prompts(source)][: cfg.max_prompts]
     if not prompts:
@@ -117,7 +114,7 @@ def run(cfg: TuneJobConfig) -> dict[str, Any]:
     out = Path(cfg.out_dir) if cfg.out_dir is not None else None
 
     # 1. One chain run at n_max: α per depth, c, and the verification cost per round of the real loop.
-    measure_cfg = _eval_config(cfg, dtype, str(out / "measure") if out else None, method="chain",
+    measure_cfg = _eval_config(cfg, str(out / "measure") if out else None, method="chain",
                                num_draft_tokens=cfg.n_max)
     measured = evaluate(verifier, {"tune": prompts}, {"eagle3": drafter}, measure_cfg)["sets"]["tune"]
     entry = measured["drafters"]["eagle3"]
@@ -148,7 +145,7 @@ def run(cfg: TuneJobConfig) -> dict[str, Any]:
         f"[tune] c = {cost.draft_step:.3f} steps per draft token, round overhead o = {overhead:.3f} steps "
         f"(the N={cfg.n_max} run's verification exceeded v({cfg.n_max + 1}) by {residual:.3f}), "
         f"v(k) = " + " ".join(f"{k}:{v:.2f}" for k, v in sorted(verify_steps.items())),
-        f"[tune] c_tree = " + ", ".join(f"{s.depth}x{s.top_k}x{s.total_tokens}: {c:.3f}" for s, c in trees),
+        "[tune] c_tree = " + ", ".join(f"{s.depth}x{s.top_k}x{s.total_tokens}: {c:.3f}" for s, c in trees),
         *format_table(options, choice),
         f"[tune] recommended: {choice.name} (predicted {choice.predicted_speedup:.2f}x)",
     ]
@@ -160,7 +157,7 @@ def run(cfg: TuneJobConfig) -> dict[str, Any]:
         check = recommend([o for o in options if o is not PLAIN])
     verification: dict[str, Any] | None = None
     if check is not PLAIN:
-        check_cfg = _eval_config(cfg, dtype, str(out / "check") if out else None, **_shape_kwargs(check))
+        check_cfg = _eval_config(cfg, str(out / "check") if out else None, **_shape_kwargs(check))
         checked = evaluate(verifier, {"tune": prompts}, {"eagle3": drafter}, check_cfg)["sets"]["tune"]
         d = checked["drafters"]["eagle3"]
         verification = {"shape": check.name, "predicted_speedup": check.predicted_speedup,

@@ -343,7 +343,7 @@ def test_evaluate_reports_lossless_drafters(tiny_verifier_dir, tmp_path):
     prompts = [{"id": "a", "turns": ["Say hello to the world, then say hello again."]},
                {"id": "b", "turns": ["Count: one two three one two three one two"]}]
     cfg = EvalConfig(method="tree", num_draft_tokens=3, tree_depth=3, tree_top_k=3, tree_total_tokens=9,
-                     max_new_tokens=12, dtype="float32", warmup_tokens=2, out_dir=str(tmp_path / "eval"))
+                     max_new_tokens=12, warmup_tokens=2, out_dir=str(tmp_path / "eval"))
     drafters = {"greedy": None, "prompt_lookup": PromptLookupDrafter(), "eagle": EagleDrafter(draft),
                 "random": RandomDrafter(len(verifier.tokenizer))}
     report = evaluate(verifier, {"toy": prompts}, drafters, cfg)
@@ -357,8 +357,7 @@ def test_evaluate_reports_lossless_drafters(tiny_verifier_dir, tmp_path):
     assert (tmp_path / "eval" / "report.json").is_file() and (tmp_path / "eval" / "acceptance.png").stat().st_size
     taus = tau_from_report(json.loads((tmp_path / "eval" / "report.json").read_text()))
     assert set(taus) == {"sets/toy/drafters/prompt_lookup", "sets/toy/drafters/eagle", "sets/toy/drafters/random"}
-    with pytest.raises(ValueError, match="dtype"):
-        evaluate(verifier, prompts, drafters, EvalConfig(dtype="bfloat16", out_dir=None))
+    assert report["verifier"]["dtype"] == "float32"  # the verifier's dtype is the evaluation's, reported
     with pytest.raises(ValueError, match="method"):
         EvalConfig(method="beam")
 

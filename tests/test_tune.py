@@ -108,7 +108,7 @@ def test_tune_command_end_to_end(tiny_verifier_dir, tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": i, "turns": [f"the a of {i} to and"]}) + "\n" for i in range(2)))
     overrides = [
-        f"draft={tmp_path / 'run'}", f"verifier.name_or_path={tiny_verifier_dir}", "dtype=float32",
+        f"draft={tmp_path / 'run'}", f"verifier.name_or_path={tiny_verifier_dir}", "verifier.dtype=float32",
         f"prompts=[{prompts}]", "max_prompts=1", "max_new_tokens=5", "n_max=3", "verify_repeats=1",
         "warmup_tokens=0", "tree_shapes=[{depth: 2, top_k: 2, total_tokens: 3}]", f"out_dir={tmp_path / 'tune'}",
     ]
