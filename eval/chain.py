@@ -12,7 +12,7 @@ from torch import nn
 
 from fledge.eval.proposals import Drafter
 from fledge.eval.sampling import leviathan_accept
-from fledge.eval.verifier_state import DecodeResult, VerifierState, clock, stop_index
+from fledge.eval.verifier_state import DecodeResult, RoundTimer, VerifierState, clock, stop_index
 from fledge.models.sampling import SamplingParams, target_probs
 
 
@@ -41,14 +41,17 @@ def generate_chain(
         tokens: list[int] = []
         root = prompt_ids[-1:].clone().to(device)
         done = max_new_tokens <= 0
+        timer = RoundTimer(device, result)
         while not done:
-            t0 = clock(device)
             # A round emits at most n+1 tokens; drafting past the budget would only cost time.
             draft = drafter.propose_chain(min(num_draft_tokens, max_new_tokens - len(tokens) - 1), sampling, generator)
-            t1 = clock(device)
+            timer.lap("draft")
             n = draft.tokens.numel()
             draft_tokens = draft.tokens.to(device)
-            logits, aux = state.forward(torch.cat([root, draft_tokens]))
+            verifier_input = torch.cat([root, draft_tokens])
+            timer.lap("other")
+            logits, aux = state.forward(verifier_input)
+            timer.lap("verify")
             if sampling.greedy:
                 predicted = torch.argmax(logits, dim=-1)
                 accepted = int(torch.cumprod(predicted[:n] == draft_tokens, dim=0).sum())
@@ -56,20 +59,22 @@ def generate_chain(
             else:
                 q = None if draft.q is None else draft.q.to(device)
                 accepted, next_token = leviathan_accept(target_probs(logits, sampling), draft_tokens, q, generator)
+            timer.lap("accept")
             # Keep the root and the accepted drafts; the rejected drafts' keys/values go.
             state.crop(state.length - n + accepted)
+            timer.lap("kv_update")
             new_tokens = draft.tokens[:accepted].tolist() + [next_token]
             tokens.extend(new_tokens)
             root.fill_(next_token)
-            t2 = clock(device)
             result.accepted.append(accepted)
             result.proposed.append(n)
             result.tree_nodes.append(n)
-            result.verify_seconds += t2 - t1
             done = len(tokens) >= max_new_tokens or not stop_ids.isdisjoint(new_tokens)
+            timer.lap("other")
             if not done:
                 drafter.advance(torch.tensor(new_tokens), None if aux is None else aux[: accepted + 1])
-            result.draft_seconds += clock(device) - t2 + (t1 - t0)
+                timer.lap("draft_update")
+        timer.close()
     result.tokens = tokens[: stop_index(tokens, stop_ids, max_new_tokens)]
     result.seconds = clock(device) - start
     return result

@@ -18,7 +18,7 @@ import torch
 from fledge.core.errors import ConfigError
 from fledge.data.sources import load_prompts
 from fledge.eval.drafters import PromptLookupDrafter
-from fledge.eval.runner import EvalConfig, evaluate, load_eagle_drafter, report_table
+from fledge.eval.runner import EvalConfig, evaluate, load_eagle_drafter, report_table, stable_figures
 from fledge.models.verifier import VerifierConfig, load_verifier
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,8 @@ def _set_name(source: str) -> str:
 
 def run(cfg: EvalJobConfig) -> dict[str, Any]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    verifier = load_verifier(cfg.verifier, device)  # its dtype is the evaluation's: verifier.dtype
+    # Its dtype is the evaluation's (verifier.dtype), and its linear layers run the kernel chosen for decoding.
+    verifier = load_verifier(cfg.verifier, device, decoding=True)
     drafters: dict[str, Any] = {}
     draft_meta: dict[str, Any] = {}
     if cfg.draft is not None:
@@ -67,7 +68,7 @@ def run(cfg: EvalJobConfig) -> dict[str, Any]:
     if cfg.eval.out_dir is not None:
         (Path(cfg.eval.out_dir) / "report.json").write_text(json.dumps(report, indent=2))
     _log_wandb(cfg, report)
-    print("\n".join(["", *report_table(report)]))
+    print("\n".join(["", *report_table(report), "", *stable_figures(report)]))
     return report
 
 

@@ -11,7 +11,12 @@ Definitions (docs/design.md, "Acceptance"):
 
 from __future__ import annotations
 
+import math
+import random
+import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -109,3 +114,37 @@ def summarize(trace: AcceptanceTrace) -> dict:
         "alpha": alpha,
         "expected_tokens_per_call": expected_tokens_per_call(alpha, trace.num_draft),
     }
+
+
+def bootstrap_interval(
+    samples: Sequence[Any],
+    statistic: Callable[[Sequence[Any]], float],
+    level: float = 0.95,
+    resamples: int = 2000,
+    seed: int = 0,
+) -> tuple[float, float]:
+    """Percentile bootstrap interval of ``statistic`` over ``samples`` (prompts) drawn with replacement.
+
+    The unit resampled is the prompt, not the round: rounds of one prompt are not independent (a prompt that
+    repeats itself is easy throughout), so an interval over rounds would claim more certainty than the data has.
+    """
+    n = len(samples)
+    if n == 0:
+        return math.nan, math.nan
+    if n == 1:
+        value = statistic(samples)
+        return value, value
+    rng = random.Random(seed)
+    values = sorted(statistic([samples[rng.randrange(n)] for _ in range(n)]) for _ in range(resamples))
+    tail = (1.0 - level) / 2.0
+    return values[int(tail * resamples)], values[min(resamples - 1, int((1.0 - tail) * resamples))]
+
+
+def pooled_tau(per_prompt: Sequence[tuple[int, int]]) -> float:
+    """τ of several prompts together from (committed tokens, verifier calls) per prompt: all tokens / all calls."""
+    calls = sum(c for _, c in per_prompt)
+    return sum(t for t, _ in per_prompt) / calls if calls else 0.0
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else math.nan

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,11 +22,21 @@ from fledge.core.errors import ConfigError
 from fledge.data.template import stop_token_ids
 from fledge.eval.chain import generate_chain
 from fledge.eval.drafters import EagleDrafter
-from fledge.eval.metrics import AcceptanceTrace, predicted_speedup, summarize
+from fledge.eval.hf_baseline import generate_hf
+from fledge.eval.metrics import (
+    AcceptanceTrace,
+    bootstrap_interval,
+    median,
+    pooled_tau,
+    predicted_speedup,
+    summarize,
+)
 from fledge.eval.proposals import Drafter, TreeShape
 from fledge.eval.tree import generate_tree
-from fledge.eval.verifier_state import DecodeResult, generate_plain
+from fledge.eval.tune import CostModel, measure_verify_cost
+from fledge.eval.verifier_state import ROUND_PARTS, DecodeResult, generate_plain
 from fledge.models.draft_folder import load_draft
+from fledge.models.kernels import pack_linears
 from fledge.models.sampling import SamplingParams
 from fledge.models.serving import is_serving_checkpoint, load_exported
 from fledge.models.verifier import Verifier
@@ -65,6 +76,12 @@ class EvalConfig:
     """Sampling seed; each prompt restarts from it, so the baseline and each drafter see the same randomness."""
     warmup_tokens: int = 8
     """A short untimed generation per method first, so that one-time setup does not count as speed."""
+    hf_baseline: bool = True
+    """Also time Hugging Face ``generate`` on every prompt beside fledge's plain loop; speed-ups then divide by the
+    faster of the two, prompt by prompt."""
+    round_floor: bool = True
+    """Measure v(k), the verifier's bare forward over the k tokens a round checks, and report how much a round
+    costs beyond v(k) and its drafting (``round_overhead``)."""
     out_dir: str | None = "runs/eval"
     """Where report.json and acceptance.png go; None writes nothing."""
 
@@ -106,7 +123,10 @@ def load_eagle_drafter(path: str | Path, verifier: Verifier) -> EagleDrafter:
         draft = load_exported(path, verifier.path)
     else:
         draft = load_draft(path, verifier.path)
-    return EagleDrafter(draft.to(device=verifier.device, dtype=verifier.dtype))
+    draft = draft.to(device=verifier.device, dtype=verifier.dtype)
+    if verifier.linear_kernel == "onednn":
+        pack_linears(draft)  # the draft's steps run the kernel the verifier's do
+    return EagleDrafter(draft)
 
 
 def _generator(device: torch.device, seed: int) -> torch.Generator:
@@ -143,8 +163,12 @@ def evaluate(
     """Run plain decoding and every drafter on every prompt set; returns (and writes) the report.
 
     ``prompts``: one set [{"id", "turns"}] or {set name: set}. ``drafters``: {name: drafter}; a None drafter is
-    plain decoding under that name. The baseline always runs first, in the verifier's own dtype: losslessness is
-    judged against plain greedy decoding in that dtype (bf16 greedy itself differs from fp32 greedy).
+    plain decoding under that name. Everything runs in the verifier's own dtype: losslessness is judged against
+    plain greedy decoding in that dtype (bf16 greedy itself differs from fp32 greedy).
+
+    The methods are interleaved prompt by prompt (plain, Hugging Face ``generate``, then each drafter), so that a
+    change of the machine's load hits them alike; speed-ups are per-prompt ratios, reported as their median with a
+    bootstrap interval over prompts.
     """
     sets = prompts if isinstance(prompts, dict) else {"prompts": prompts}
     stop_ids = frozenset(stop_token_ids(verifier.tokenizer, getattr(verifier.model, "generation_config", None)))
@@ -152,25 +176,38 @@ def evaluate(
     report: dict = {
         "config": dataclasses.asdict(cfg),
         "verifier": {"name": verifier.name, "dtype": str(verifier.dtype).replace("torch.", ""),
-                     "aux_layer_ids": verifier.aux_layer_ids, "device": str(verifier.device)},
+                     "aux_layer_ids": verifier.aux_layer_ids, "device": str(verifier.device),
+                     "linear_kernel": verifier.linear_kernel},
         "stop_ids": sorted(stop_ids),
         "sets": {},
     }
     named = [(name, d) for name, d in drafters.items() if d is not None]
+    methods = {name: _method_of(d, cfg) for name, d in named}
     for set_name, set_prompts in sets.items():
         encoded = [(p["id"], encode_prompt(verifier.tokenizer, p)) for p in set_prompts[: cfg.max_prompts]]
         if not encoded:
             raise ConfigError(f"prompt set {set_name!r} is empty", fix="check prompts and eval.max_prompts")
         if cfg.warmup_tokens:
+            first = encoded[0][1]
             for drafter in [None, *(d for _, d in named)]:
-                _run(verifier, encoded[0][1], drafter, _method_of(drafter, cfg), cfg, stop_ids, cfg.warmup_tokens)
-        baseline = [_run(verifier, ids, None, "plain", cfg, stop_ids, cfg.max_new_tokens) for _, ids in encoded]
-        base = _baseline_summary(baseline)
+                _run(verifier, first, drafter, _method_of(drafter, cfg), cfg, stop_ids, cfg.warmup_tokens)
+            if cfg.hf_baseline:
+                _run_hf(verifier, first, cfg, stop_ids, cfg.warmup_tokens)
+        plain: list[DecodeResult] = []
+        hf: list[DecodeResult] = []
+        runs: dict[str, list[DecodeResult]] = {name: [] for name, _ in named}
+        for _, ids in encoded:
+            plain.append(_run(verifier, ids, None, "plain", cfg, stop_ids, cfg.max_new_tokens))
+            if cfg.hf_baseline:
+                hf.append(_run_hf(verifier, ids, cfg, stop_ids, cfg.max_new_tokens))
+            for name, drafter in named:
+                runs[name].append(_run(verifier, ids, drafter, methods[name], cfg, stop_ids, cfg.max_new_tokens))
+        base = _baseline_summary(plain, hf, greedy)
+        floors = _round_floors(verifier, encoded[0][1], set(methods.values()), cfg) if cfg.round_floor and named else None
         set_report = {"num_prompts": len(encoded), "baseline": base, "drafters": {}}
-        for name, drafter in named:
-            method = _method_of(drafter, cfg)
-            results = [_run(verifier, ids, drafter, method, cfg, stop_ids, cfg.max_new_tokens) for _, ids in encoded]
-            entry = _drafter_summary(results, baseline, [pid for pid, _ in encoded], method, cfg, base, greedy)
+        for name, _ in named:
+            entry = _drafter_summary(runs[name], plain, hf, [pid for pid, _ in encoded], methods[name], cfg, base,
+                                     greedy, floors)
             set_report["drafters"][name] = entry
             log.info("%s / %s: %s", set_name, name, _one_line(entry))
             print(f"[eval] {set_name} / {name}: {_one_line(entry)}", flush=True)
@@ -187,22 +224,67 @@ def evaluate(
     return report
 
 
-def _baseline_summary(results: list[DecodeResult]) -> dict:
-    tokens = sum(len(r.tokens) for r in results)
-    seconds = sum(r.seconds for r in results)
-    steps = sum(max(len(r.tokens) - 1, 0) for r in results)
-    return {
+def _run_hf(
+    verifier: Verifier, prompt_ids: torch.Tensor, cfg: EvalConfig, stop_ids: frozenset[int], max_new_tokens: int
+) -> DecodeResult:
+    return generate_hf(verifier.model, prompt_ids, max_new_tokens=max_new_tokens, sampling=cfg.sampling(),
+                       stop_ids=stop_ids, seed=cfg.seed)
+
+
+def _round_floors(verifier: Verifier, prompt_ids: torch.Tensor, methods: set[str], cfg: EvalConfig) -> CostModel | None:
+    """v(k), the bare forward's cost over k tokens in plain decoding steps, measured on the first prompt's KV cache
+    with the loop's capture hooks: for every k a chain can check, and spread up to the largest tree."""
+    ks = set()
+    if "chain" in methods:
+        ks |= set(range(1, cfg.num_draft_tokens + 2))
+    if "tree" in methods:
+        top = cfg.tree_total_tokens + 1
+        ks |= {1, 2, max(2, top // 4), max(2, top // 2), top}
+    if not ks:
+        return None
+    costs = measure_verify_cost(verifier.model, prompt_ids, sorted(ks), verifier.aux_layer_ids)
+    return CostModel(verify_steps=costs, draft_step=0.0)
+
+
+def _tokens_per_s(result: DecodeResult) -> float:
+    return len(result.tokens) / result.seconds if result.seconds else 0.0
+
+
+def _median_with_interval(values: list[float]) -> tuple[float, list[float]]:
+    lo, hi = bootstrap_interval(values, median)
+    return median(values), [lo, hi]
+
+
+def _baseline_summary(plain: list[DecodeResult], hf: list[DecodeResult], greedy: bool) -> dict:
+    tokens = sum(len(r.tokens) for r in plain)
+    seconds = sum(r.seconds for r in plain)
+    steps = sum(max(len(r.tokens) - 1, 0) for r in plain)
+    summary = {
         "tokens": tokens,
         "seconds": seconds,
         "tokens_per_s": tokens / seconds if seconds else 0.0,
         # One decoding step of the verifier (prefill excluded): the unit every cost below is measured in.
-        "step_seconds": sum(r.verify_seconds for r in results) / steps if steps else 0.0,
+        "step_seconds": sum(r.verify_seconds for r in plain) / steps if steps else 0.0,
+        "divides_by": "fledge plain decoding",
     }
+    if hf:
+        ratios = [_tokens_per_s(p) / _tokens_per_s(h) for p, h in zip(plain, hf) if _tokens_per_s(h)]
+        ratio, interval = _median_with_interval(ratios)
+        hf_tokens, hf_seconds = sum(len(r.tokens) for r in hf), sum(r.seconds for r in hf)
+        summary["hf_generate"] = {"tokens": hf_tokens, "seconds": hf_seconds,
+                                  "tokens_per_s": hf_tokens / hf_seconds if hf_seconds else 0.0}
+        if greedy:
+            summary["hf_generate"]["same_tokens_rate"] = sum(p.tokens == h.tokens for p, h in zip(plain, hf)) / len(hf)
+        # fledge's plain tokens/s over generate's, prompt by prompt: below 1 means generate is the faster baseline.
+        summary["baseline_vs_hf"] = ratio
+        summary["baseline_vs_hf_interval"] = interval
+        summary["divides_by"] = "the faster of fledge plain decoding and Hugging Face generate, per prompt"
+    return summary
 
 
 def _drafter_summary(
-    results: list[DecodeResult], baseline: list[DecodeResult], prompt_ids: list, method: str, cfg: EvalConfig,
-    base: dict, greedy: bool,
+    results: list[DecodeResult], plain: list[DecodeResult], hf: list[DecodeResult], prompt_ids: list, method: str,
+    cfg: EvalConfig, base: dict, greedy: bool, floors: CostModel | None,
 ) -> dict:
     num_draft = cfg.tree_depth if method == "tree" else cfg.num_draft_tokens
     trace = AcceptanceTrace(
@@ -211,6 +293,8 @@ def _drafter_summary(
         proposed=[p for r in results for p in r.proposed],
     )
     entry = {"method": method, **summarize(trace)}
+    per_prompt_tau = [(sum(a + 1 for a in r.accepted), len(r.accepted)) for r in results]
+    entry["tau_interval"] = list(bootstrap_interval(per_prompt_tau, pooled_tau))
     tokens = sum(len(r.tokens) for r in results)
     seconds = sum(r.seconds for r in results)
     rounds = max(len(trace.accepted), 1)
@@ -220,11 +304,21 @@ def _drafter_summary(
     verify_seconds = sum(r.verify_seconds for r in results)
     # c = cost of drafting one token / cost of one verifier step, both measured in this run.
     cost_ratio = (draft_seconds / drafted) / step if drafted and step else 0.0
+    # Per prompt: this drafter's tokens/s over the baseline's on the same prompt, run right before it.
+    baselines = [max(_tokens_per_s(p), _tokens_per_s(h)) for p, h in zip(plain, hf)] if hf else [
+        _tokens_per_s(p) for p in plain]
+    ratios = [_tokens_per_s(r) / b if b else math.nan for r, b in zip(results, baselines)]
+    speedup, speedup_interval = _median_with_interval([x for x in ratios if not math.isnan(x)])
+    parts = {part: sum(r.parts.get(part, 0.0) for r in results) / rounds / step if step else 0.0
+             for part in ROUND_PARTS}
     entry.update(
         tokens=tokens,
         seconds=seconds,
         tokens_per_s=tokens / seconds if seconds else 0.0,
-        speedup=(tokens / seconds) / base["tokens_per_s"] if seconds and base["tokens_per_s"] else 0.0,
+        speedup=speedup,
+        speedup_interval=speedup_interval,
+        # The older pooled figure: all tokens over all seconds, against fledge's plain loop alone.
+        speedup_pooled=(tokens / seconds) / base["tokens_per_s"] if seconds and base["tokens_per_s"] else 0.0,
         cost_ratio=cost_ratio,
         predicted_speedup=predicted_speedup(entry["alpha"], num_draft, cost_ratio),
         verifier_calls=len(trace.accepted),
@@ -233,11 +327,28 @@ def _drafter_summary(
         # drafting; per-round overhead on a small verifier decides whether speculation pays at all.
         verify_cost_in_steps=verify_seconds / rounds / step if step else 0.0,
         draft_cost_in_steps=draft_seconds / rounds / step if step else 0.0,
+        round_parts_in_steps=parts,
+        round_cost_in_steps=sum(parts.values()),
+        per_prompt=[
+            {"id": pid, "tokens": len(r.tokens), "seconds": r.seconds, "rounds": len(r.accepted),
+             "baseline_tokens_per_s": b, "speedup": x}
+            for pid, r, b, x in zip(prompt_ids, results, baselines, ratios)
+        ],
     )
+    if floors is not None:
+        # The floor of each round: the bare forward over the k tokens it checked (its drafts and the root; fewer
+        # than N + 1 when a drafter offered fewer), plus the drafting it cannot avoid.
+        checked = [n + 1 for r in results for n in r.tree_nodes]
+        verify_floor = sum(floors.verify(k) for k in checked) / max(len(checked), 1)
+        floor_steps = verify_floor + parts["draft"] + parts["draft_update"]
+        entry["round_floor"] = {"mean_k": sum(checked) / max(len(checked), 1), "verify_steps": verify_floor,
+                                "floor_steps": floor_steps,
+                                "v": {str(k): v for k, v in sorted(floors.verify_steps.items())}}
+        entry["round_overhead"] = entry["round_cost_in_steps"] / floor_steps - 1.0 if floor_steps else math.nan
     if greedy:
         mismatched = [
             {"id": pid, "first_difference": _first_difference(r.tokens, b.tokens)}
-            for pid, r, b in zip(prompt_ids, results, baseline)
+            for pid, r, b in zip(prompt_ids, results, plain)
             if r.tokens != b.tokens
         ]
         entry["greedy_match_rate"] = 1.0 - len(mismatched) / len(results)
@@ -252,27 +363,50 @@ def _first_difference(a: list[int], b: list[int]) -> int:
 
 
 def report_table(report: dict[str, Any]) -> list[str]:
-    """One row per (prompt set, drafter): τ, n-α, speed-up against plain greedy decoding."""
-    rows = ["prompt set  drafter          τ      n-α (depth 1..)                 speed-up  greedy match"]
+    """One row per (prompt set, drafter): τ, n-α, and the median per-prompt speed-up over plain decoding with its
+    95 % interval over prompts."""
+    rows = ["prompt set  drafter          τ      n-α (depth 1..)                 speed-up [95% interval]  greedy match"]
     for set_name, entry in report.get("sets", {}).items():
         for name, d in entry.get("drafters", {}).items():
             alphas = " ".join("  - " if a is None else f"{a:.2f}" for a in (d.get("n_alpha") or [])[:6])
             match = d.get("greedy_match_rate")
+            lo, hi = d.get("speedup_interval") or (math.nan, math.nan)
+            speedup = f"{d.get('speedup', math.nan):5.2f}x [{lo:.2f}, {hi:.2f}]" if d.get("method") != "plain" else ""
             rows.append(
-                f"{set_name:<11} {name:<15} {d.get('tau', float('nan')):5.2f}  {alphas:<31} "
-                f"{d.get('speedup', float('nan')):6.2f}x   {'' if match is None else f'{match:.0%}'}"
+                f"{set_name:<11} {name:<15} {d.get('tau', math.nan):5.2f}  {alphas:<31} "
+                f"{speedup:<24} {'' if match is None else f'{match:.0%}'}"
             )
     return rows
 
 
 def _one_line(entry: dict) -> str:
+    lo, hi = entry["speedup_interval"]
     text = (f"{entry['method']} tau {entry['tau']:.2f}, alpha {entry['alpha']:.2f}, "
-            f"{entry['tokens_per_s']:.1f} tok/s, speed-up {entry['speedup']:.2f}x "
+            f"{entry['tokens_per_s']:.1f} tok/s, speed-up {entry['speedup']:.2f}x [{lo:.2f}, {hi:.2f}] "
             f"(predicted {entry['predicted_speedup']:.2f}x, c={entry['cost_ratio']:.3f}), "
             f"round = {entry['verify_cost_in_steps']:.2f} + {entry['draft_cost_in_steps']:.2f} steps")
+    if "round_overhead" in entry:
+        floor = entry["round_floor"]
+        text += (f" (floor: v(k) {floor['verify_steps']:.2f} at mean k {floor['mean_k']:.1f}, + drafting: overhead "
+                 f"{entry['round_overhead']:+.0%})")
     if "greedy_match_rate" in entry:
         text += f", greedy match {entry['greedy_match_rate']:.0%}"
     return text
+
+
+def stable_figures(report: dict[str, Any]) -> list[str]:
+    """The figures benchmarks compare, one per line under a stable label: ``baseline_vs_hf <set> <value>`` and
+    ``round_overhead <set>/<drafter> <value>``."""
+    lines = []
+    for set_name, entry in report.get("sets", {}).items():
+        base = entry.get("baseline", {})
+        if "baseline_vs_hf" in base:
+            lo, hi = base["baseline_vs_hf_interval"]
+            lines.append(f"baseline_vs_hf {set_name} {base['baseline_vs_hf']:.3f} [{lo:.3f}, {hi:.3f}]")
+        for name, d in entry.get("drafters", {}).items():
+            if "round_overhead" in d:
+                lines.append(f"round_overhead {set_name}/{name} {d['round_overhead']:.3f}")
+    return lines
 
 
 def plot_acceptance(report: dict, path: Path) -> None:

@@ -19,7 +19,7 @@ from torch import nn
 
 from fledge.eval.proposals import Drafter, DraftTree, TreeShape
 from fledge.eval.sampling import multi_candidate_accept
-from fledge.eval.verifier_state import DecodeResult, VerifierState, clock, stop_index
+from fledge.eval.verifier_state import DecodeResult, RoundTimer, VerifierState, clock, stop_index
 from fledge.models.sampling import SamplingParams, sample, target_probs
 
 
@@ -139,39 +139,43 @@ def generate_tree(
         tokens: list[int] = []
         root = prompt_ids[-1:].clone().cpu()
         done = max_new_tokens <= 0
+        timer = RoundTimer(device, result)
         while not done:
-            t0 = clock(device)
             budget = max_new_tokens - len(tokens) - 1  # a path longer than this would be cut anyway
             if budget > 0:
                 round_shape = dataclasses.replace(shape, depth=min(shape.depth, budget))
                 tree = drafter.propose_tree(round_shape, sampling, generator)
             else:
                 tree = empty_tree()
-            t1 = clock(device)
+            timer.lap("draft")
             prefix = state.length
             root_and_nodes = torch.cat([root, tree.tokens.cpu()]).to(device)
             depths = tree.depths.to(device)
             positions = prefix + torch.cat([torch.zeros(1, dtype=torch.long, device=device), depths])
             mask = tree_attention_mask(tree.parents.to(device), depths, prefix, dtype, window)
+            timer.lap("other")
             logits, aux = state.forward(root_and_nodes, positions, mask)
+            timer.lap("verify")
             if sampling.greedy:
                 path, next_token = walk_greedy(logits, tree)
             else:
                 path, next_token = walk_sampled(logits, tree, sampling, generator)
+            timer.lap("accept")
             state.keep(prefix + 1, path)
+            timer.lap("kv_update")
             new_tokens = tree.tokens[path].tolist() + [next_token]
             tokens.extend(new_tokens)
             root.fill_(next_token)
-            t2 = clock(device)
             result.accepted.append(len(path))
             result.proposed.append(int(tree.depths.max()) if tree.size else 0)
             result.tree_nodes.append(tree.size)
-            result.verify_seconds += t2 - t1
             done = len(tokens) >= max_new_tokens or not stop_ids.isdisjoint(new_tokens)
+            timer.lap("other")
             if not done:
                 rows = torch.tensor([0] + [node + 1 for node in path], device=device)
                 drafter.advance(torch.tensor(new_tokens), None if aux is None else aux[rows])
-            result.draft_seconds += clock(device) - t2 + (t1 - t0)
+                timer.lap("draft_update")
+        timer.close()
     result.tokens = tokens[: stop_index(tokens, stop_ids, max_new_tokens)]
     result.seconds = clock(device) - start
     return result

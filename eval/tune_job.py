@@ -105,7 +105,7 @@ def _candidate_json(c: Candidate) -> dict[str, Any]:
 
 def run(cfg: TuneJobConfig) -> dict[str, Any]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    verifier = load_verifier(cfg.verifier, device)  # verifier.dtype: auto is bf16 where fast, else fp32
+    verifier = load_verifier(cfg.verifier, device, decoding=True)  # dtype auto: bf16 where fast, else fp32
     dtype = str(verifier.dtype).removeprefix("torch.")
     drafter = load_eagle_drafter(cfg.draft, verifier)
     prompts = [p for source in cfg.prompts for p in load_prompts(source)][: cfg.max_prompts]

@@ -35,16 +35,45 @@ class DecodeResult:
     draft_steps: int = 0
     """Draft forward passes (tree: one per depth), for the draft/verifier cost ratio."""
     draft_seconds: float = 0.0
-    """Time spent proposing and updating the drafter."""
+    """Time spent proposing and updating the drafter (the ``draft`` and ``draft_update`` parts)."""
     verify_seconds: float = 0.0
-    """Time spent in verifier forwards after the prefill, acceptance and cache rollback included."""
+    """Time spent in verifier forwards after the prefill, acceptance and cache rollback included (every part but
+    the drafter's)."""
     prefill_seconds: float = 0.0
     seconds: float = 0.0
     """Wall time of the whole generation, prefill included."""
+    parts: dict[str, float] = field(default_factory=dict)
+    """Seconds of the rounds after the prefill by part (``ROUND_PARTS``)."""
 
     @property
     def verifier_calls(self) -> int:
         return len(self.accepted)
+
+
+ROUND_PARTS = ("draft", "verify", "accept", "kv_update", "draft_update", "other")
+"""What a speculative round spends its time on: proposing (``draft``), the verifier's forward (``verify``),
+deciding what is accepted (``accept``), rolling back or compacting the verifier's KV cache (``kv_update``), feeding
+the committed tokens to the drafter (``draft_update``), and the loop's own bookkeeping and inputs (``other``)."""
+
+
+class RoundTimer:
+    """Charges the wall time since the previous lap to a part of the round (a GPU is synchronised at each lap)."""
+
+    def __init__(self, device: torch.device, result: DecodeResult) -> None:
+        self.device = device
+        self.result = result
+        self.last = clock(device)
+
+    def lap(self, part: str) -> None:
+        now = clock(self.device)
+        self.result.parts[part] = self.result.parts.get(part, 0.0) + now - self.last
+        self.last = now
+
+    def close(self) -> None:
+        """Fill the result's two totals from its parts."""
+        parts = self.result.parts
+        self.result.draft_seconds = parts.get("draft", 0.0) + parts.get("draft_update", 0.0)
+        self.result.verify_seconds = sum(v for k, v in parts.items() if k not in ("draft", "draft_update"))
 
 
 def clock(device: torch.device) -> float:
@@ -186,4 +215,5 @@ def generate_plain(
         step_input.fill_(token)
         logits, _ = state.forward(step_input, last_only=True)
     seconds = clock(device) - start
-    return DecodeResult(tokens=tokens, prefill_seconds=prefill, seconds=seconds, verify_seconds=seconds - prefill)
+    return DecodeResult(tokens=tokens, prefill_seconds=prefill, seconds=seconds, verify_seconds=seconds - prefill,
+                        parts={"verify": seconds - prefill})

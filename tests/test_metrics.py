@@ -71,3 +71,20 @@ def test_summary_and_validation():
         AcceptanceTrace(accepted=[4], num_draft=3)
     with pytest.raises(ValueError):
         AcceptanceTrace(accepted=[1, 1], num_draft=3, proposed=[1])
+
+
+def test_bootstrap_interval_over_prompts():
+    from fledge.eval.metrics import bootstrap_interval, median, pooled_tau
+
+    values = [0.8, 0.9, 1.0, 1.1, 1.2, 1.3, 0.95]
+    lo, hi = bootstrap_interval(values, median)
+    assert min(values) <= lo <= median(values) <= hi <= max(values)
+    assert bootstrap_interval(values, median) == (lo, hi)  # seeded: the same interval every time
+    assert bootstrap_interval([2.0], median) == (2.0, 2.0)
+    assert all(x != x for x in bootstrap_interval([], median))  # nan for no prompts
+    # Identical prompts leave no uncertainty.
+    assert bootstrap_interval([1.5] * 10, median) == (1.5, 1.5)
+    # τ pools rounds: (committed tokens, verifier calls) per prompt.
+    assert pooled_tau([(30, 20), (10, 10)]) == 40 / 30
+    lo, hi = bootstrap_interval([(30, 20), (10, 10), (50, 25)], pooled_tau)
+    assert 1.0 <= lo <= pooled_tau([(30, 20), (10, 10), (50, 25)]) <= hi <= 2.0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import statistics
 
 import pytest
 import torch
@@ -14,9 +15,9 @@ from fledge.eval.chain import generate_chain
 from fledge.eval.drafters import EagleDrafter, PromptLookupDrafter, RandomDrafter
 from fledge.eval.exactness import tiny_verifier
 from fledge.eval.proposals import TreeShape, grow_tree, propose_chain_with
-from fledge.eval.runner import EvalConfig, evaluate
+from fledge.eval.runner import EvalConfig, evaluate, stable_figures
 from fledge.eval.tree import generate_tree, tree_attention_mask
-from fledge.eval.verifier_state import VerifierState, generate_plain
+from fledge.eval.verifier_state import ROUND_PARTS, VerifierState, generate_plain
 from fledge.export.write import tau_from_report
 from fledge.models.capture import capture_hidden
 from fledge.models.draft import Eagle3Config, Eagle3Draft
@@ -358,6 +359,30 @@ def test_evaluate_reports_lossless_drafters(tiny_verifier_dir, tmp_path):
     taus = tau_from_report(json.loads((tmp_path / "eval" / "report.json").read_text()))
     assert set(taus) == {"sets/toy/drafters/prompt_lookup", "sets/toy/drafters/eagle", "sets/toy/drafters/random"}
     assert report["verifier"]["dtype"] == "float32"  # the verifier's dtype is the evaluation's, reported
+    # The honest baseline: Hugging Face generate on the same prompts, the same tokens in fp32 greedy decoding, and
+    # each prompt's speed-up divides by the faster of the two plain decoders, timed right before the drafter.
+    base = report["sets"]["toy"]["baseline"]
+    assert base["hf_generate"]["same_tokens_rate"] == 1.0 and base["hf_generate"]["tokens"] == base["tokens"]
+    lo, hi = base["baseline_vs_hf_interval"]
+    assert lo <= base["baseline_vs_hf"] <= hi
+    for name in ("prompt_lookup", "eagle", "random"):
+        entry = entries[name]
+        per_prompt = entry["per_prompt"]
+        assert [p["id"] for p in per_prompt] == ["a", "b"]
+        for p in per_prompt:
+            assert p["speedup"] == pytest.approx(p["tokens"] / p["seconds"] / p["baseline_tokens_per_s"])
+        assert entry["speedup"] == pytest.approx(statistics.median(p["speedup"] for p in per_prompt))
+        lo, hi = entry["speedup_interval"]
+        assert lo <= entry["speedup"] <= hi
+        # A round's parts add up to its cost, and the floor is what the round checked plus its drafting.
+        parts = entry["round_parts_in_steps"]
+        assert set(parts) == set(ROUND_PARTS)
+        assert sum(parts.values()) == pytest.approx(entry["round_cost_in_steps"])
+        assert entry["round_cost_in_steps"] == pytest.approx(entry["verify_cost_in_steps"] + entry["draft_cost_in_steps"])
+        floor = entry["round_floor"]
+        assert floor["floor_steps"] == pytest.approx(floor["verify_steps"] + parts["draft"] + parts["draft_update"])
+        assert entry["round_overhead"] == pytest.approx(entry["round_cost_in_steps"] / floor["floor_steps"] - 1)
+    assert [line.split()[0] for line in stable_figures(report)] == ["baseline_vs_hf"] + ["round_overhead"] * 3
     with pytest.raises(ValueError, match="method"):
         EvalConfig(method="beam")
 

@@ -1,0 +1,52 @@
+"""Hugging Face ``generate`` on the same prompts, as a check of the baseline every speed-up divides by.
+
+A speed-up is only as honest as the plain decoding it is measured against: a slow plain loop makes any drafter look
+good. ``generate`` (KV cache, greedy or sampled with the same temperature / top-k / top-p) is the reference every
+user already has; the evaluator times it prompt by prompt beside fledge's own plain loop and divides by the faster
+of the two.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fledge.eval.verifier_state import DecodeResult, clock, stop_index
+from fledge.models.sampling import SamplingParams
+
+
+@torch.inference_mode()
+def generate_hf(
+    model: nn.Module,
+    prompt_ids: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    sampling: SamplingParams = SamplingParams(),
+    stop_ids: frozenset[int] = frozenset(),
+    seed: int = 0,
+) -> DecodeResult:
+    """Decode with ``model.generate`` under a fresh generation config (none of the checkpoint's own defaults, such
+    as a repetition penalty, that plain decoding does not apply); tokens cut as the other loops cut them."""
+    from transformers import GenerationConfig
+
+    device = model.get_input_embeddings().weight.device
+    stops = sorted(stop_ids)
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=not sampling.greedy,
+        temperature=sampling.temperature if not sampling.greedy else 1.0,
+        top_k=sampling.top_k or None,
+        top_p=sampling.top_p,
+        eos_token_id=stops or None,
+        pad_token_id=stops[0] if stops else None,
+        use_cache=True,
+    )
+    ids = prompt_ids.to(device).view(1, -1)
+    if not sampling.greedy:
+        torch.manual_seed(seed)  # generate samples from torch's global generator
+    start = clock(device)
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    seconds = clock(device) - start
+    tokens = out[0, ids.shape[1] :].tolist()
+    tokens = tokens[: stop_index(tokens, stop_ids, max_new_tokens)]
+    return DecodeResult(tokens=tokens, seconds=seconds)

@@ -1,0 +1,112 @@
+"""Which kernel runs a frozen model's linear layers when it decodes on a CPU: torch's default, or oneDNN with the
+weights packed once.
+
+Speculative decoding lives on the cost of checking k tokens at once, v(k) in plain decoding steps. On a CPU that
+cost is decided by the matrix products of a handful of rows, and torch's default fp32 path (MKL) handles those
+badly on some CPUs. Measured on a 2-core AMD EPYC (AVX2) with the default verifier (SmolLM2-135M, fp32): MKL
+checked 2 tokens in 1.64 plain steps and 3 to 9 tokens in 2.04, while oneDNN with pre-packed weights took 1.10 and
+1.23-1.43, and decoded one token 5 % faster (``README``, "Speed"). Whether it pays elsewhere is a measurement,
+never an assumption: ``choose_linear_kernel`` times both on the model's own layer shapes.
+
+Only inference is affected (packed weights are constants: no gradient flows through them), and the choice is
+made once per loaded model, so plain and speculative decoding of one evaluation run the same arithmetic.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import types
+
+import torch
+from torch import nn
+
+from fledge.core.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+LINEAR_KERNELS = ("auto", "default", "onednn")
+
+
+def onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _packed_forward(packed: torch.Tensor):
+    def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+
+    return forward
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Make every ``nn.Linear`` of a frozen fp32 CPU model run oneDNN on weights packed once; returns how many.
+
+    The packed copy is taken now: weights changed later are not seen (the model must stay frozen).
+    """
+    count = 0
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32:
+            packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None)
+            module.forward = types.MethodType(_packed_forward(packed), module)
+            count += 1
+    return count
+
+
+def _best_seconds(fn, repeats: int = 5, inner: int = 8) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        best = min(best, (time.perf_counter() - start) / inner)
+    return best
+
+
+def time_linear_kernels(weight: torch.Tensor, rows: tuple[int, ...] = (1, 5)) -> dict[str, float]:
+    """Seconds of one product of ``rows`` x weight^T, summed over ``rows``, for each kernel (fastest of repeats)."""
+    weight = weight.detach().float().cpu()
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    xs = [torch.randn(n, weight.shape[1]) for n in rows]
+    return {
+        "default": sum(_best_seconds(lambda x=x: nn.functional.linear(x, weight)) for x in xs),
+        "onednn": sum(_best_seconds(lambda x=x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
+                      for x in xs),
+    }
+
+
+def choose_linear_kernel(model: nn.Module, requested: str) -> str:
+    """``default`` or ``onednn`` for this model on this machine. ``auto`` times both on the model's widest and
+    narrowest linear layers, for one row and for five (a decoding step and a typical verification), and keeps
+    oneDNN only when it is at least 10 % faster: a near tie stays with torch's default."""
+    if requested not in LINEAR_KERNELS:
+        raise ConfigError(f"linear_kernel must be one of {LINEAR_KERNELS}, got {requested!r}")
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    cpu_fp32 = bool(linears) and all(m.weight.device.type == "cpu" and m.weight.dtype == torch.float32 for m in linears)
+    if requested == "default" or not cpu_fp32 or not onednn_available():
+        if requested == "onednn":
+            raise ConfigError(
+                "linear_kernel=onednn needs a model in float32 on the CPU and a torch built with oneDNN",
+                fix="use linear_kernel=auto or default",
+            )
+        return "default"
+    if requested == "onednn":
+        return "onednn"
+    by_size = sorted(linears, key=lambda m: m.weight.numel())
+    seconds = {"default": 0.0, "onednn": 0.0}
+    for module in (by_size[0], by_size[-1]):
+        for kernel, s in time_linear_kernels(module.weight).items():
+            seconds[kernel] += s
+    choice = "onednn" if seconds["onednn"] < 0.9 * seconds["default"] else "default"
+    log.info("linear kernel: %s (1- and 5-row products: default %.2f ms, oneDNN %.2f ms)", choice,
+             1e3 * seconds["default"], 1e3 * seconds["onednn"])
+    return choice
+
+
+def use_linear_kernel(model: nn.Module, requested: str) -> str:
+    """Choose the kernel (``choose_linear_kernel``) and install it; returns the choice."""
+    choice = choose_linear_kernel(model, requested)
+    if choice == "onednn":
+        pack_linears(model)
+    return choice

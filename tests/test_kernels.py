@@ -1,0 +1,51 @@
+"""The linear kernel a decoding verifier runs: oneDNN with packed weights computes what torch's default does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fledge.core.errors import ConfigError
+from fledge.eval.verifier_state import generate_plain
+from fledge.models.kernels import choose_linear_kernel, onednn_available, pack_linears, use_linear_kernel
+from fledge.models.verifier import VerifierConfig, load_verifier
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN linear"),
+]
+
+
+def test_packed_linears_compute_what_the_default_does(tiny_verifier_dir):
+    default = load_verifier(VerifierConfig(name_or_path=str(tiny_verifier_dir), dtype="float32"))
+    packed = load_verifier(VerifierConfig(name_or_path=str(tiny_verifier_dir), dtype="float32"))
+    linears = sum(isinstance(m, torch.nn.Linear) for m in packed.model.modules())
+    assert pack_linears(packed.model) == linears > 0
+    ids = torch.randint(0, 1000, (2, 17), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        expected = default.model(input_ids=ids).logits
+        got = packed.model(input_ids=ids).logits
+    assert torch.allclose(got, expected, rtol=1e-4, atol=1e-4)
+    # Decoding gives the same tokens whichever kernel runs the products.
+    prompt = torch.arange(5, 40)
+    assert generate_plain(packed.model, prompt, max_new_tokens=12).tokens == \
+        generate_plain(default.model, prompt, max_new_tokens=12).tokens
+
+
+def test_the_kernel_is_chosen_where_it_applies(tiny_verifier_dir):
+    cfg = VerifierConfig(name_or_path=str(tiny_verifier_dir), dtype="float32")
+    model = load_verifier(cfg).model
+    assert choose_linear_kernel(model, "default") == "default"
+    assert choose_linear_kernel(model, "onednn") == "onednn"
+    assert choose_linear_kernel(model, "auto") in ("default", "onednn")  # a timing on this machine decides
+    with pytest.raises(ConfigError, match="linear_kernel must be one of"):
+        choose_linear_kernel(model, "fast")
+    # Decoding stages honour the setting and record it; the cache and regeneration never change kernels.
+    assert load_verifier(VerifierConfig(**{**cfg.__dict__, "linear_kernel": "onednn"}), decoding=True).linear_kernel == \
+        "onednn"
+    assert load_verifier(VerifierConfig(**{**cfg.__dict__, "linear_kernel": "onednn"})).linear_kernel == "default"
+    # oneDNN packing is an fp32 CPU path: a bf16 model cannot ask for it, and auto leaves it alone.
+    bf16 = load_verifier(VerifierConfig(name_or_path=str(tiny_verifier_dir), dtype="bfloat16")).model
+    assert use_linear_kernel(bf16, "auto") == "default"
+    with pytest.raises(ConfigError, match="float32 on the CPU"):
+        use_linear_kernel(bf16, "onednn")
