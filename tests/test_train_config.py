@@ -19,7 +19,7 @@ def test_shipped_configs_compose():
     cfg = compose_config("train")
     assert isinstance(cfg, TrainJobConfig) and isinstance(cfg.train, TrainConfig)
     assert cfg.ttt.ttt_steps == 7 and cfg.ttt.step_decay == 0.8
-    assert cfg.engine.kind == "single" and cfg.log.wandb_mode == "offline" and cfg.train.dtype == "fp32"
+    assert cfg.engine.kind == "single" and cfg.log.wandb_mode == "offline" and cfg.train.dtype == "auto"
     assert str(cfg.checkpoint_dir) == "runs/train/checkpoints" and str(cfg.jsonl_path) == "runs/train/metrics.jsonl"
     bench = compose_config("bench_train")
     assert isinstance(bench, TrainBenchConfig)

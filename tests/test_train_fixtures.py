@@ -87,6 +87,7 @@ def train_overrides(cache: Path, out: Path, **extra: object) -> list[str]:
         "train.max_steps": 4,
         "train.micro_batch_size": 4,
         "train.warmup_steps": 0,
+        "train.dtype": "fp32",  # the numbers these tests compare are fp32's, whatever this machine runs fastest
         "ttt.ttt_steps": 3,
         "checkpoint.every": 2,
         "eval.every": 0,

@@ -170,3 +170,16 @@ def test_eval_on_a_second_cache(cache, tmp_path, smollm_tokenizer):
     assert result.last_eval["eval/tokens"] > 0 and 0 <= result.last_eval["eval/acc_0"] <= 1
     assert result.last_eval["eval/tau_sim"] >= 1
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "eval/loss" in r] == [2]
+
+
+def test_dtype_auto_is_settled_by_a_timing_and_recorded(cache, tmp_path):
+    from fledge.train.engine import choose_train_dtype
+
+    assert choose_train_dtype("fp32", torch.device("cpu"), (8, 16, 32)) == "fp32"
+    assert choose_train_dtype("bf16", torch.device("cpu"), (8, 16, 32)) == "bf16"
+    auto = choose_train_dtype("auto", torch.device("cpu"), (64, 32, 64))
+    assert auto in ("fp32", "bf16")
+    out = tmp_path / "auto"
+    run_stage("train", train_overrides(cache, out, **{"train.max_steps": 1, "train.dtype": "auto"}))
+    saved = (out / "checkpoints" / "step-000001" / "train_config.yaml").read_text()
+    assert "dtype: fp32" in saved or "dtype: bf16" in saved  # what ran, never "auto"

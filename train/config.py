@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from fledge.core.errors import ConfigError
 
-DTYPES = ("fp32", "bf16")
+DTYPES = ("auto", "fp32", "bf16")
 
 
 @dataclass
@@ -50,12 +50,12 @@ class TrainConfig:
     """Micro-batches accumulated per optimizer step on each rank; the global batch is world_size x grad_accum
     micro-batches."""
     # ---- numerics
-    dtype: str = "fp32"
-    """'fp32', or 'bf16' autocast (fp32 weights, optimizer and gradient reduction; bf16 matrix products). fp32 is
-    the default because it is the fast one where fledge is tested: these AVX2 CPUs have no native bf16, and a
-    training step of the 576-wide draft on 128 tokens took 1.6 s in fp32 and 49 s in bf16 (`fledge bench train
-    seq_len=128 skip_slow_dtypes=false`); fp32 also keeps resume and engine-equivalence checks exact. Choose bf16
-    on GPUs and on AMX / AVX512-BF16 CPUs, where bf16 matrix products are several times faster than fp32."""
+    dtype: str = "auto"
+    """'fp32', 'bf16' autocast (fp32 weights, optimizer and gradient reduction; bf16 matrix products), or 'auto':
+    the faster of the two for the draft's widest product on this machine, timed at the start of the run
+    (``train.engine.choose_train_dtype``) and recorded in the resolved config. Neither is fast everywhere: on an
+    AVX2-only CPU a bf16 product ran 6x slower than fp32, on one with AVX512-BF16 4x faster, on GPUs bf16 wins.
+    fp32 keeps resume and engine-equivalence checks exact across machines."""
     seed: int = 0
     """Seeds the draft's initialisation, the data order (bucketing and shuffling per epoch) and the RNGs."""
 

@@ -17,9 +17,11 @@ storage, like every parameter of the module it wraps, and gathers it for the loo
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import socket
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +36,8 @@ from fledge.core.dist import init_process_group as join_process_group
 from fledge.core.errors import ConfigError
 from fledge.train.config import TrainConfig
 from fledge.train.ttt import TTTConfig, ttt_forward
+
+log = logging.getLogger(__name__)
 
 ENGINES = ("single", "ddp", "deepspeed")
 
@@ -142,6 +146,39 @@ def init_process_group(cfg: EngineConfig) -> tuple[DistInfo, torch.device]:
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend=backend_for(device, cfg.backend), verbose=False)
     return info, device
+
+
+def choose_train_dtype(requested: str, device: torch.device, shape: tuple[int, int, int]) -> str:
+    """``fp32`` or ``bf16`` for ``train.dtype``; ``auto`` times the product ``shape`` = (rows, in, out) (the draft's
+    widest: its head) in fp32 and under bf16 autocast, and takes bf16 only when it is at least 25 % faster. Every
+    rank takes rank 0's choice, so that a run computes alike everywhere."""
+    if requested != "auto":
+        return requested
+    rows, width, out = shape
+    x = torch.randn(rows, width, device=device)
+    w = torch.randn(out, width, device=device)
+
+    def seconds(bf16: bool) -> float:
+        best = math.inf
+        for attempt in range(4):  # the first call is untimed: it pays for allocation and kernel choice
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16):
+                nn.functional.linear(x, w)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if attempt:
+                best = min(best, time.perf_counter() - start)
+        return best
+
+    fp32, bf16 = seconds(False), seconds(True)
+    choice = ["bf16" if bf16 < fp32 / 1.25 else "fp32"]
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast_object_list(choice, src=0)
+    log.info("train.dtype=auto: %s (a %dx%dx%d product took %.1f ms in fp32, %.1f ms in bf16 autocast)", choice[0],
+             rows, width, out, 1e3 * fp32, 1e3 * bf16)
+    return choice[0]
 
 
 class TorchEngine:

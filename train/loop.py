@@ -11,6 +11,7 @@ stage's config, composes each component's dataclass; ``conf/train.yaml`` fills i
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import random
@@ -39,7 +40,14 @@ from fledge.train.checkpoint import (
     save_checkpoint,
 )
 from fledge.train.config import HeldOutConfig, TrainConfig
-from fledge.train.engine import Engine, EngineConfig, TTTModule, build_engine, init_process_group
+from fledge.train.engine import (
+    Engine,
+    EngineConfig,
+    TTTModule,
+    build_engine,
+    choose_train_dtype,
+    init_process_group,
+)
 from fledge.train.logger import LogConfig, MetricsLogger, with_tau
 from fledge.train.ttt import TTTConfig
 
@@ -150,7 +158,10 @@ def run(cfg: TrainJobConfig) -> TrainResult:
         cfg.train.seed, info.rank, info.world_size,
     )
     total_steps = cfg.train.max_steps or bucket_sampler.steps_for_epochs(cfg.train.epochs)
-    engine = build_engine(TTTModule(draft, verifier_head, cfg.ttt), cfg.train, cfg.engine, info, device, total_steps)
+    # dtype=auto is settled here, once, by timing the draft's widest product (its head) on this machine.
+    head_shape = (512, draft.config.hidden_size, draft.config.draft_vocab_size)
+    train_cfg = dataclasses.replace(cfg.train, dtype=choose_train_dtype(cfg.train.dtype, device, head_shape))
+    engine = build_engine(TTTModule(draft, verifier_head, cfg.ttt), train_cfg, cfg.engine, info, device, total_steps)
     eval_set = sampler.eval_batches(
         eval_reader.lengths() if eval_reader else [], eval_ids, cfg.train.micro_batch_size, cfg.train.max_tokens,
         info.rank, info.world_size,
@@ -158,6 +169,7 @@ def run(cfg: TrainJobConfig) -> TrainResult:
     if cfg.eval.max_batches:
         eval_set = eval_set[: cfg.eval.max_batches]
     resolved = resolved_config(cfg, reader, info.world_size)
+    resolved["train"]["dtype"] = train_cfg.dtype  # what ran, not "auto"
     meta = draft_meta(reader, cfg)
 
     # ---- resume from the latest complete checkpoint
