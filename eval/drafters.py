@@ -111,8 +111,10 @@ class EagleDrafter:
     needs_aux = True
     supports_tree = True
 
-    def __init__(self, draft: Eagle3Draft):
+    def __init__(self, draft: Eagle3Draft, min_prob: float = 0.0):
         self.draft = draft.eval()
+        self.min_prob = min_prob
+        """Chains stop before a position the draft is less sure of than this (``propose_chain_with``)."""
         weight = draft.fc.weight
         self.device = weight.device
         self.target_vocab_size = int(draft.config.vocab_size)
@@ -194,8 +196,83 @@ class EagleDrafter:
 
     def propose_chain(self, n: int, sampling: SamplingParams, generator: torch.Generator | None) -> ChainDraft:
         with torch.inference_mode():
-            return propose_chain_with(self, n, sampling, generator)
+            return propose_chain_with(self, n, sampling, generator, self.min_prob)
 
     def propose_tree(self, shape: TreeShape, sampling: SamplingParams, generator: torch.Generator | None) -> DraftTree:
         with torch.inference_mode():
             return grow_tree(self, shape, sampling, generator)
+
+
+class HybridDrafter:
+    """Prompt lookup and the EAGLE-3 draft in one proposal: where the last n-gram (``min_ngram`` tokens or more)
+    occurred before in the prompt or the output, its continuation; everywhere else, the draft.
+
+    Small verifiers repeat themselves and echo their prompts, which prompt lookup proposes for free and accepts often
+    once it matches (n-α rising with depth), while the draft is right about the first token of new text. A chain
+    takes the lookup continuation when there is one and the draft's chain otherwise; a tree is the draft's
+    EAGLE-2 tree with the lookup continuation added as one more branch from the root (sharing the nodes it agrees
+    with). Both stay exact: which proposal is made depends only on the committed tokens, lookup tokens are
+    deterministic candidates (point-mass q), and the added branch is verified like any deterministic sibling; a
+    tree of *sampled* children gets no branch, since its rule needs every sibling drawn from q.
+    """
+
+    needs_aux = True
+    supports_tree = True
+
+    def __init__(self, eagle: EagleDrafter, lookup: PromptLookupDrafter):
+        self.eagle = eagle
+        self.lookup = lookup
+        self.draft_to_target = eagle.draft_to_target
+        self.target_vocab_size = eagle.target_vocab_size
+        self.used_lookup = 0
+        """Rounds whose proposal came from prompt lookup (chains) or carried a lookup branch (trees)."""
+
+    def start(self, context: torch.Tensor, aux: torch.Tensor | None) -> None:
+        self.lookup.start(context, aux)
+        self.eagle.start(context, aux)
+
+    def advance(self, new_tokens: torch.Tensor, aux: torch.Tensor | None) -> None:
+        self.lookup.advance(new_tokens, aux)
+        self.eagle.advance(new_tokens, aux)
+
+    def propose_chain(self, n: int, sampling: SamplingParams, generator: torch.Generator | None) -> ChainDraft:
+        found = self.lookup.propose_chain(n, sampling, generator)
+        if found.tokens.numel():
+            self.used_lookup += 1
+            return found
+        return self.eagle.propose_chain(n, sampling, generator)
+
+    def propose_tree(self, shape: TreeShape, sampling: SamplingParams, generator: torch.Generator | None) -> DraftTree:
+        tree = self.eagle.propose_tree(shape, sampling, generator)
+        if tree.q is not None:
+            return tree
+        branch = self.lookup.propose_chain(shape.depth, sampling, generator).tokens
+        if not branch.numel():
+            return tree
+        self.used_lookup += 1
+        return with_branch(tree, branch.to(tree.tokens.device))
+
+
+def with_branch(tree: DraftTree, branch: torch.Tensor) -> DraftTree:
+    """``tree`` with the chain ``branch`` hanging from the root: it follows existing nodes while their tokens agree
+    and continues as new nodes (appended, so that every parent still precedes its children, and tried after the
+    tree's own siblings). Only for trees of deterministic children (``q`` None)."""
+    tokens, parents, depths = tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()
+    node = -1
+    for depth, token in enumerate(branch.tolist(), start=1):
+        child = next((i for i, (t, p) in enumerate(zip(tokens, parents)) if p == node and t == token), None)
+        if child is None:
+            tokens.append(token)
+            parents.append(node)
+            depths.append(depth)
+            child = len(tokens) - 1
+        node = child
+    device = tree.tokens.device
+    return DraftTree(
+        tokens=torch.tensor(tokens, dtype=torch.long, device=device),
+        parents=torch.tensor(parents, dtype=torch.long, device=device),
+        depths=torch.tensor(depths, dtype=torch.long, device=device),
+        q=None,
+        q_rows=[-1] * (len(tokens) + 1),
+        draft_to_target=tree.draft_to_target,
+    )

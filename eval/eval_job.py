@@ -17,7 +17,7 @@ import torch
 
 from fledge.core.errors import ConfigError
 from fledge.data.sources import load_prompts
-from fledge.eval.drafters import PromptLookupDrafter
+from fledge.eval.drafters import EagleDrafter, HybridDrafter, PromptLookupDrafter
 from fledge.eval.runner import EvalConfig, evaluate, load_eagle_drafter, report_table, stable_figures
 from fledge.models.verifier import VerifierConfig, load_verifier
 
@@ -37,6 +37,14 @@ class EvalJobConfig:
     prompt_lookup: bool = True
     """Also run the prompt-lookup (n-gram) drafter, the baseline that needs no training."""
     prompt_lookup_max_ngram: int = 3
+    hybrid: bool = True
+    """Also run the draft and prompt lookup combined (``eval.drafters.HybridDrafter``) as its own row,
+    ``eagle3+lookup``: the lookup continuation where the last n-gram occurred before, the draft elsewhere."""
+    hybrid_min_ngram: int = 2
+    """The shortest n-gram whose earlier occurrence makes the hybrid take the lookup continuation."""
+    draft_min_prob: float = 0.0
+    """The draft's chains (alone and in the hybrid) stop before a position where its most likely token has less
+    probability than this; 0 always drafts ``eval.num_draft_tokens``. Exact for greedy and sampled decoding."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     wandb_mode: str = "offline"
     """offline (default: no network), online, or disabled; logs the report and the acceptance curves."""
@@ -56,8 +64,13 @@ def run(cfg: EvalJobConfig) -> dict[str, Any]:
     if cfg.draft is not None:
         # A training run / step folder or an exported serving checkpoint, in the verifier's dtype and device.
         drafter = load_eagle_drafter(cfg.draft, verifier)
+        drafter.min_prob = cfg.draft_min_prob
         drafters["eagle3"] = drafter
         draft_meta = {"path": str(cfg.draft), "draft_vocab_size": int(drafter.draft.config.draft_vocab_size)}
+        if cfg.hybrid:
+            lookup = PromptLookupDrafter(max_ngram=max(cfg.prompt_lookup_max_ngram, cfg.hybrid_min_ngram),
+                                         min_ngram=cfg.hybrid_min_ngram)
+            drafters["eagle3+lookup"] = HybridDrafter(EagleDrafter(drafter.draft, cfg.draft_min_prob), lookup)
     if cfg.prompt_lookup:
         drafters["prompt_lookup"] = PromptLookupDrafter(max_ngram=cfg.prompt_lookup_max_ngram)
     if not drafters:

@@ -129,21 +129,32 @@ def _to_target(stepper: DraftStepper, draft_ids: torch.Tensor) -> torch.Tensor:
 
 
 def propose_chain_with(
-    stepper: DraftStepper, n: int, sampling: SamplingParams, generator: torch.Generator | None
+    stepper: DraftStepper, n: int, sampling: SamplingParams, generator: torch.Generator | None,
+    min_prob: float = 0.0,
 ) -> ChainDraft:
-    """n drafts, each fed back as the input of the next: argmax when greedy, else sampled from q (temperature)."""
+    """Up to n drafts, each fed back as the input of the next: argmax when greedy, else sampled from q (temperature).
+
+    With ``min_prob`` the chain ends before a position where the draft's most likely token has less probability
+    than that (softmax at the sampling temperature; 1 when greedy), even before the first: a token the draft
+    doubts costs a draft step and a verified position and is seldom accepted. The decision depends only on the
+    draft's distribution at that position, never on what is sampled there or on the verifier, so the loops stay
+    exact: a drafted token is still distributed as its q, and an undrafted position is sampled from the verifier.
+    """
     logits = stepper.root_logits()
     draft_ids: list[torch.Tensor] = []
     qs: list[torch.Tensor] = []
     slot = -1
+    temperature = 1.0 if sampling.greedy else sampling.temperature
     for i in range(n):
         if i:
             step_logits, (slot,) = stepper.expand([slot], _to_target(stepper, draft_ids[-1]))
             logits = step_logits[0]
+        q = draft_probs(logits, temperature) if (min_prob > 0 or not sampling.greedy) else None
+        if min_prob > 0 and float(q.max()) < min_prob:
+            break
         if sampling.greedy:
             draft_ids.append(torch.argmax(logits).view(1))
         else:
-            q = draft_probs(logits, sampling.temperature)
             draft_ids.append(sample(q, generator))
             qs.append(q)
     if not draft_ids:
@@ -155,7 +166,7 @@ def propose_chain_with(
         if stepper.draft_to_target is None:
             q_target = q_draft
         else:
-            q_target = q_draft.new_zeros(n, stepper.target_vocab_size)
+            q_target = q_draft.new_zeros(len(qs), stepper.target_vocab_size)
             q_target.index_copy_(1, stepper.draft_to_target, q_draft)
     return ChainDraft(tokens=tokens, q=q_target)
 

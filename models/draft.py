@@ -495,6 +495,20 @@ class Eagle3Draft(nn.Module):
                 elif isinstance(module, RMSNorm):
                     module.weight.fill_(1.0)
 
+    def init_head_from_verifier(self, head: torch.Tensor, final_norm: torch.Tensor) -> None:
+        """``lm_head`` <- the verifier's head rows of the draft vocabulary, ``norm`` <- the verifier's final norm:
+        the draft then reads its last hidden state as the verifier reads its own."""
+        cfg = self.config
+        if tuple(head.shape) != (cfg.vocab_size, cfg.hidden_size) or tuple(final_norm.shape) != (cfg.hidden_size,):
+            raise MismatchError(
+                f"verifier head {tuple(head.shape)} / final norm {tuple(final_norm.shape)} do not fit the draft "
+                f"({cfg.vocab_size} x {cfg.hidden_size})"
+            )
+        rows = torch.arange(cfg.draft_vocab_size, device=self.d2t.device) + self.d2t
+        with torch.no_grad():
+            self.lm_head.weight.copy_(head.to(self.lm_head.weight)[rows.to(head.device)])
+            self.norm.weight.copy_(final_norm.to(self.norm.weight))
+
     def load_verifier_embedding(self, weight: torch.Tensor) -> None:
         if tuple(weight.shape) != tuple(self.embed_tokens.weight.shape):
             raise MismatchError(

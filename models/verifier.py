@@ -396,6 +396,18 @@ def cache_kwarg(model: torch.nn.Module) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def load_final_norm(model_dir: Path) -> torch.Tensor:
+    """The weight of the verifier's final norm (``model.norm.weight`` in Llama-style checkpoints)."""
+    from safetensors import safe_open
+
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(f, "pt") as fh:
+            for key in fh.keys():
+                if key.endswith("norm.weight") and ".layers." not in key and key.count(".") <= 2:
+                    return fh.get_tensor(key)
+    raise VerifierNotFound(f"{model_dir}: no final norm weight (model.norm.weight)", fix="point at a causal LM")
+
+
 def load_embed_and_head(model_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """The verifier's input embedding [V, H] and output head [V, H], read without building the model.
 

@@ -11,9 +11,9 @@ import torch
 
 import fledge.eval.chain
 import fledge.eval.tree
-from fledge.eval.drafters import RandomDrafter
+from fledge.eval.drafters import HybridDrafter, PromptLookupDrafter, RandomDrafter
 from fledge.eval.exactness import chi2_critical, chi_square, exactness_check, random_eagle_factory, tiny_verifier
-from fledge.eval.proposals import TreeShape, grow_tree, propose_chain_with
+from fledge.eval.proposals import ChainDraft, TreeShape, grow_tree, propose_chain_with
 from fledge.eval.sampling import leviathan_accept, multi_candidate_accept
 from fledge.models.sampling import SamplingParams, sample, target_probs
 
@@ -236,3 +236,84 @@ def test_eagle_drafter_is_exact(verifier, method):
     print(report.describe())
     assert report.passed, report.describe()
     assert report.mean_accepted > 0
+
+
+REPEATING = torch.tensor([3, 9, 4, 3, 9, 4, 3, 9])  # the lookup finds its last n-grams earlier: it proposes at once
+
+
+@pytest.mark.parametrize("method", ["chain", "tree"])
+def test_hybrid_drafter_is_exact(verifier, method):
+    """Draft and prompt lookup in one proposal: the lookup continuation (deterministic) where the last n-gram
+    occurred before, the draft's proposal (a chain, or EAGLE-2's deterministic tree it joins as a branch)."""
+    eagle = random_eagle_factory(verifier, [0, 1, 1])
+    made: list[HybridDrafter] = []
+
+    def factory():
+        made.append(HybridDrafter(eagle(), PromptLookupDrafter(max_ngram=2, min_ngram=1)))
+        return made[-1]
+
+    shape = TreeShape(depth=3, top_k=3, total_tokens=8, sampled_children=False)
+    report = exactness_check(verifier, factory, method, 300, prompt_ids=REPEATING, sampling=SAMPLING,
+                             tree_shape=shape, aux_layer_ids=[0, 1, 1])
+    print(report.describe())
+    assert report.passed, report.describe()
+    assert sum(d.used_lookup for d in made) > 0  # the lookup branch was taken, and verified exactly
+
+
+def test_a_lookup_branch_joins_the_tree_where_it_agrees():
+    from fledge.eval.drafters import with_branch
+    from fledge.eval.proposals import DraftTree
+
+    # root -> 5 -> 6, root -> 7
+    tree = DraftTree(tokens=torch.tensor([5, 7, 6]), parents=torch.tensor([-1, -1, 0]), depths=torch.tensor([1, 1, 2]),
+                     q=None, q_rows=[-1] * 4, draft_to_target=None)
+    joined = with_branch(tree, torch.tensor([5, 8, 9]))
+    assert joined.tokens.tolist() == [5, 7, 6, 8, 9]
+    assert joined.parents.tolist() == [-1, -1, 0, 0, 3]  # 8 hangs from the existing 5, 9 from the new 8
+    assert joined.depths.tolist() == [1, 1, 2, 2, 3]
+    assert with_branch(tree, torch.tensor([5, 6])).tokens.tolist() == [5, 7, 6]  # already there: nothing added
+
+
+class DoubtfulOracle(OracleDrafter):
+    """A sharp oracle draft whose chains stop where it is unsure (``propose_chain_with``'s min_prob): the number of
+    drafts then varies from round to round, zero included. ``biased`` decides on the token it has just sampled
+    instead, which skews the drafts it keeps away from q: the check must catch that."""
+
+    def __init__(self, verifier, memo, biased: bool = False, lengths: list[int] | None = None):
+        super().__init__(verifier, memo, mix=1.0, power=3.0)
+        self.biased, self.lengths = biased, lengths if lengths is not None else []
+
+    def propose_chain(self, n, sampling, generator):
+        if not self.biased:
+            chain = propose_chain_with(self, n, sampling, generator, min_prob=0.5)
+            self.lengths.append(chain.tokens.numel())
+            return chain
+        logits, ids, qs, slot = self.root_logits(), [], [], -1
+        for i in range(n):
+            if i:
+                step_logits, (slot,) = self.expand([slot], ids[-1])
+                logits = step_logits[0]
+            q = torch.softmax(logits / sampling.temperature, -1)
+            token = torch.multinomial(q, 1, generator=generator)
+            if float(q[token]) < 0.5:
+                break
+            ids.append(token)
+            qs.append(q)
+        if not ids:
+            return ChainDraft(tokens=torch.empty(0, dtype=torch.long), q=None)
+        return ChainDraft(tokens=torch.cat(ids), q=torch.stack(qs))
+
+
+def test_a_chain_that_stops_where_the_draft_doubts_is_exact(verifier):
+    memo: dict = {}
+    lengths: list[int] = []
+    report = exactness_check(verifier, lambda: DoubtfulOracle(verifier, memo, lengths=lengths), "chain", RUNS,
+                             prompt_ids=PROMPT, sampling=SAMPLING, num_draft_tokens=3)
+    print(report.describe())
+    assert report.passed, report.describe()
+    assert 0 in lengths and max(lengths) > 0  # it stopped, and it drafted
+    # Deciding on the sampled token instead keeps drafts that are not distributed as q: the check sees it.
+    biased = exactness_check(verifier, lambda: DoubtfulOracle(verifier, memo, biased=True), "chain", RUNS,
+                             prompt_ids=PROMPT, sampling=SAMPLING, num_draft_tokens=3)
+    print(biased.describe())
+    assert not biased.passed

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fledge.eval.chain import generate_chain
-from fledge.eval.drafters import EagleDrafter, PromptLookupDrafter, RandomDrafter
+from fledge.eval.drafters import EagleDrafter, HybridDrafter, PromptLookupDrafter, RandomDrafter
 from fledge.eval.exactness import tiny_verifier
 from fledge.eval.proposals import TreeShape, grow_tree, propose_chain_with
 from fledge.eval.runner import EvalConfig, evaluate, stable_figures
@@ -346,18 +346,20 @@ def test_evaluate_reports_lossless_drafters(tiny_verifier_dir, tmp_path):
     cfg = EvalConfig(method="tree", num_draft_tokens=3, tree_depth=3, tree_top_k=3, tree_total_tokens=9,
                      max_new_tokens=12, warmup_tokens=2, out_dir=str(tmp_path / "eval"))
     drafters = {"greedy": None, "prompt_lookup": PromptLookupDrafter(), "eagle": EagleDrafter(draft),
-                "random": RandomDrafter(len(verifier.tokenizer))}
+                "random": RandomDrafter(len(verifier.tokenizer)),
+                "hybrid": HybridDrafter(EagleDrafter(draft), PromptLookupDrafter(min_ngram=1))}
     report = evaluate(verifier, {"toy": prompts}, drafters, cfg)
     entries = report["sets"]["toy"]["drafters"]
     assert entries["prompt_lookup"]["method"] == "chain" and entries["eagle"]["method"] == "tree"
-    for name in ("prompt_lookup", "eagle", "random"):
+    for name in ("prompt_lookup", "eagle", "random", "hybrid"):
         assert entries[name]["greedy_match_rate"] == 1.0, entries[name]["greedy_mismatches"]
         assert entries[name]["tau"] >= 1.0 and len(entries[name]["histogram"]) == entries[name]["num_draft"] + 1
         assert entries[name]["tokens_per_s"] > 0 and entries[name]["verify_cost_in_steps"] > 0
     assert entries["greedy"]["method"] == "plain"
     assert (tmp_path / "eval" / "report.json").is_file() and (tmp_path / "eval" / "acceptance.png").stat().st_size
     taus = tau_from_report(json.loads((tmp_path / "eval" / "report.json").read_text()))
-    assert set(taus) == {"sets/toy/drafters/prompt_lookup", "sets/toy/drafters/eagle", "sets/toy/drafters/random"}
+    assert set(taus) == {"sets/toy/drafters/prompt_lookup", "sets/toy/drafters/eagle", "sets/toy/drafters/random",
+                         "sets/toy/drafters/hybrid"}
     assert report["verifier"]["dtype"] == "float32"  # the verifier's dtype is the evaluation's, reported
     # The honest baseline: Hugging Face generate on the same prompts, the same tokens in fp32 greedy decoding, and
     # each prompt's speed-up divides by the faster of the two plain decoders, timed right before the drafter.
@@ -382,7 +384,8 @@ def test_evaluate_reports_lossless_drafters(tiny_verifier_dir, tmp_path):
         floor = entry["round_floor"]
         assert floor["floor_steps"] == pytest.approx(floor["verify_steps"] + parts["draft"] + parts["draft_update"])
         assert entry["round_overhead"] == pytest.approx(entry["round_cost_in_steps"] / floor["floor_steps"] - 1)
-    assert [line.split()[0] for line in stable_figures(report)] == ["baseline_vs_hf"] + ["round_overhead"] * 3
+    assert [line.split()[0] for line in stable_figures(report)] == ["baseline_vs_hf"] + ["round_overhead"] * 4
+    assert drafters["hybrid"].used_lookup > 0  # the prompts repeat themselves: its lookup branch was taken
     with pytest.raises(ValueError, match="method"):
         EvalConfig(method="beam")
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from fledge.core.errors import ConfigError
 from fledge.launch.cli import run_stage
 from fledge.models.draft_folder import complete_checkpoints, load_draft
 from fledge.train.logger import tau_sim
@@ -183,3 +184,28 @@ def test_dtype_auto_is_settled_by_a_timing_and_recorded(cache, tmp_path):
     run_stage("train", train_overrides(cache, out, **{"train.max_steps": 1, "train.dtype": "auto"}))
     saved = (out / "checkpoints" / "step-000001" / "train_config.yaml").read_text()
     assert "dtype: fp32" in saved or "dtype: bf16" in saved  # what ran, never "auto"
+
+
+def test_head_from_the_verifier_and_frozen(cache, tmp_path):
+    from safetensors.torch import load_file
+
+    from fledge.data.cache import CacheReader
+    from fledge.models.verifier import load_embed_and_head, load_final_norm
+
+    reader = CacheReader(cache)
+    _, head = load_embed_and_head(reader.verifier_dir)
+    d2t, _ = reader.draft_vocab()
+    rows = head.float()[torch.arange(d2t.numel()) + d2t]
+    norm = load_final_norm(reader.verifier_dir).float()
+    frozen = tmp_path / "frozen"
+    run_stage("train", train_overrides(cache, frozen, **{"train.max_steps": 2, "train.head_init": "verifier",
+                                                          "train.freeze_head": True}))
+    weights = load_file(str(frozen / "draft" / "model.safetensors"))
+    assert torch.equal(weights["lm_head.weight"], rows) and torch.equal(weights["norm.weight"], norm)
+    trained = tmp_path / "trained"
+    run_stage("train", train_overrides(cache, trained, **{"train.max_steps": 2, "train.head_init": "verifier"}))
+    weights = load_file(str(trained / "draft" / "model.safetensors"))
+    moved = (weights["lm_head.weight"] - rows).abs().max()
+    assert 0 < moved < 0.1 * rows.abs().max()  # it started there and took two small steps away
+    with pytest.raises(ConfigError, match="train.head_init must be one of"):
+        run_stage("train", train_overrides(cache, tmp_path / "x", **{"train.head_init": "copy"}))

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from fledge.core.errors import ConfigError
 
 DTYPES = ("auto", "fp32", "bf16")
+HEAD_INITS = ("random", "verifier")
 
 
 @dataclass
@@ -49,6 +50,13 @@ class TrainConfig:
     grad_accum: int = 1
     """Micro-batches accumulated per optimizer step on each rank; the global batch is world_size x grad_accum
     micro-batches."""
+    # ---- initialisation
+    head_init: str = "random"
+    """'random' (normal(0, 0.02), as EAGLE-3 and SpecForge), or 'verifier': the draft's ``lm_head`` starts as the
+    verifier's head rows for the draft vocabulary and its ``norm`` as the verifier's final norm (speculators'
+    default), so that a draft hidden state like the verifier's final one already predicts like the verifier."""
+    freeze_head: bool = False
+    """Keep ``lm_head`` and ``norm`` at their initial values (meant with head_init=verifier; fewer weights to train)."""
     # ---- numerics
     dtype: str = "auto"
     """'fp32', 'bf16' autocast (fp32 weights, optimizer and gradient reduction; bf16 matrix products), or 'auto':
@@ -60,6 +68,8 @@ class TrainConfig:
     """Seeds the draft's initialisation, the data order (bucketing and shuffling per epoch) and the RNGs."""
 
     def __post_init__(self) -> None:
+        if self.head_init not in HEAD_INITS:
+            raise ConfigError(f"train.head_init must be one of {HEAD_INITS}, got {self.head_init!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"train.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:

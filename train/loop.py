@@ -29,7 +29,7 @@ from fledge.core.errors import ConfigError, MismatchError
 from fledge.data.cache import CacheReader
 from fledge.models.draft import Eagle3Config, Eagle3Draft
 from fledge.models.draft_folder import CHECKPOINTS, latest_checkpoint, write_final_draft
-from fledge.models.verifier import check_fingerprint, load_embed_and_head
+from fledge.models.verifier import check_fingerprint, load_embed_and_head, load_final_norm
 from fledge.train import sampler
 from fledge.train.checkpoint import (
     CheckpointConfig,
@@ -117,6 +117,7 @@ RESUME_INVARIANTS = (
     _job.train.micro_batch_size,
     _job.train.max_tokens,
     _job.train.grad_accum,
+    _job.train.freeze_head,
     _job.ttt.ttt_steps,
     _job.ttt.step_decay,
     _job.engine.kind,
@@ -152,7 +153,7 @@ def run(cfg: TrainJobConfig) -> TrainResult:
     # ---- data, draft and engine
     reader = CacheReader(cfg.cache_dir)
     train_ids, eval_reader, eval_ids = split_data(cfg, reader)
-    draft, verifier_head = build_draft(reader, cfg.train.seed)
+    draft, verifier_head = build_draft(reader, cfg.train)
     bucket_sampler = sampler.BucketSampler(
         reader.lengths(), train_ids, cfg.train.micro_batch_size, cfg.train.max_tokens, cfg.train.grad_accum,
         cfg.train.seed, info.rank, info.world_size,
@@ -282,7 +283,7 @@ def split_data(cfg: TrainJobConfig, reader: CacheReader) -> tuple[list[int], Cac
     return list(range(n)), None, []
 
 
-def build_draft(reader: CacheReader, seed: int) -> tuple[Eagle3Draft, torch.Tensor]:
+def build_draft(reader: CacheReader, train: TrainConfig) -> tuple[Eagle3Draft, torch.Tensor]:
     """A fresh draft shaped like the cache's verifier, with its embedding and the cache's draft vocabulary, and the
     verifier's head (float32) for the teacher. Only the embedding and the head are read, never the whole model; a
     verifier whose weights are not the ones the cache was made with is refused (its head would teach other
@@ -300,10 +301,15 @@ def build_draft(reader: CacheReader, seed: int) -> tuple[Eagle3Draft, torch.Tens
         raise MismatchError(
             f"{reader.path}: cached hidden size {reader.manifest['hidden_size']} != verifier's {config.target_hidden_size}"
         )
-    draft = Eagle3Draft(config, seed=seed)
+    draft = Eagle3Draft(config, seed=train.seed)
     embed, head = load_embed_and_head(verifier_dir)
     draft.load_verifier_embedding(embed.float())
     draft.set_draft_vocab(d2t, t2d)
+    if train.head_init == "verifier":
+        draft.init_head_from_verifier(head.float(), load_final_norm(verifier_dir).float())
+    if train.freeze_head:
+        draft.lm_head.weight.requires_grad_(False)
+        draft.norm.weight.requires_grad_(False)
     return draft, head.float().contiguous()
 
 
