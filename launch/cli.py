@@ -37,6 +37,9 @@ class Stage:
     help: str
     hydra: bool = True
     """False for plain commands that parse their own arguments (``fledge export check PATH``)."""
+    out_keys: tuple[str, ...] = ()
+    """Config keys of the folders the stage writes. In a sweep (``-m``) each job writes them in its own job folder,
+    ``runs/sweeps/<stage>/<time>/<job number>/``, unless the job's overrides set them."""
 
 
 # Sub-command -> stage. Two-word commands (``bench cache``) are keyed by their joined name. Each stage's job lives in
@@ -44,25 +47,29 @@ class Stage:
 STAGES: dict[str, Stage] = {
     "regenerate": Stage(
         "fledge.data.regenerate:RegenerateJobConfig", "fledge.data.regenerate:run",
-        "answer the training prompts with the verifier",
+        "answer the training prompts with the verifier", out_keys=("regenerate.out_dir",),
     ),
     "cache": Stage(
-        "fledge.data.cache_job:CacheJobConfig", "fledge.data.cache_job:run", "cache the verifier's hidden states"
+        "fledge.data.cache_job:CacheJobConfig", "fledge.data.cache_job:run", "cache the verifier's hidden states",
+        out_keys=("cache.dir",),
     ),
     "bench_cache": Stage(
         "fledge.data.cache_bench:CacheBenchConfig", "fledge.data.cache_bench:run",
         "cache throughput against a bare forward",
     ),
-    "train": Stage("fledge.train.loop:TrainJobConfig", "fledge.train.loop:run", "train an EAGLE-3 draft"),
+    "train": Stage(
+        "fledge.train.loop:TrainJobConfig", "fledge.train.loop:run", "train an EAGLE-3 draft", out_keys=("output_dir",)
+    ),
     "bench_train": Stage(
         "fledge.train.bench:TrainBenchConfig", "fledge.train.bench:run", "training throughput and MFU"
     ),
     "eval": Stage(
-        "fledge.eval.eval_job:EvalJobConfig", "fledge.eval.eval_job:run", "τ, n-α and speed-up through the real loop"
+        "fledge.eval.eval_job:EvalJobConfig", "fledge.eval.eval_job:run", "τ, n-α and speed-up through the real loop",
+        out_keys=("eval.out_dir",),
     ),
     "tune": Stage(
         "fledge.eval.tune_job:TuneJobConfig", "fledge.eval.tune_job:run",
-        "recommend N or a tree from measured α and cost, then measure it",
+        "recommend N or a tree from measured α and cost, then measure it", out_keys=("out_dir",),
     ),
     "eval_exactness": Stage(
         "fledge.eval.exactness_job:ExactnessJobConfig", "fledge.eval.exactness_job:run",
@@ -72,7 +79,12 @@ STAGES: dict[str, Stage] = {
         "fledge.launch.quickstart:QuickstartConfig", "fledge.launch.quickstart:main",
         "cache -> train -> eval -> export", hydra=False,
     ),
-    "export": Stage("fledge.export.job:ExportJobConfig", "fledge.export.job:run", "write a serving checkpoint"),
+    "export": Stage(
+        "fledge.export.job:ExportJobConfig", "fledge.export.job:run", "write a serving checkpoint", out_keys=("out_dir",)
+    ),
+    "sweep_table": Stage(
+        "", "fledge.launch.sweep:table_main", "one table (and a PNG) from a sweep's folder", hydra=False
+    ),
     "export_check": Stage("", "fledge.export.job:check_main", "validate any EAGLE-3 checkpoint", hydra=False),
 }
 
@@ -168,8 +180,11 @@ def _hydra_main(name: str, argv: list[str]) -> None:
 
     @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name=name)
     def app(cfg) -> None:
+        from fledge.launch.sweep import sweep_job
+
         try:
-            _load(stage.run)(OmegaConf.to_object(cfg))
+            with sweep_job(name, cfg, stage.out_keys):
+                _load(stage.run)(OmegaConf.to_object(cfg))
         except FledgeError as e:
             if _debugging():
                 raise

@@ -18,6 +18,18 @@ from typing import Any
 
 from fledge.core.errors import ConfigError
 from fledge.eval.runner import report_table
+from fledge.launch.budget import (
+    FIXED_SIZES,
+    SIZE_KEYS,
+    Plan,
+    check_budget,
+    make_plan,
+    plan_lines,
+    plan_vs_actual,
+    probe_box,
+    revise_epochs,
+    revise_prompts,
+)
 
 log = logging.getLogger(__name__)
 
@@ -43,15 +55,65 @@ class QuickstartConfig:
     """Overrides for ``fledge export``."""
     force: bool = False
     """Rerun stages even when they finished before with the same overrides."""
+    budget_minutes: float | None = 20.0
+    """Size the run to end within this many minutes on this box (``launch/budget.py``: it measures the box, then
+    chooses the conversations to cache, the epochs and the eval prompts). A size given as a stage override is kept;
+    None uses the fixed sizes (``budget.FIXED_SIZES``)."""
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.stages if s not in STAGE_ORDER]
         if unknown:
             raise ConfigError(f"quickstart.stages: unknown {unknown}; choose from {list(STAGE_ORDER)}")
+        check_budget(self.budget_minutes)
+        if self.budget_minutes is not None and "regenerate" in self.stages:
+            raise ConfigError("the time budget does not size regeneration",
+                              fix="pass budget_minutes=null with the regenerate stage, and sizes as overrides")
 
 
 def _stamp(overrides: list[str]) -> str:
     return hashlib.sha256(json.dumps(overrides).encode()).hexdigest()[:16]
+
+
+def _given_size(cfg: QuickstartConfig, stage: str) -> float | None:
+    """A size the user set as a stage override (the last one wins), else None."""
+    key = SIZE_KEYS[stage]
+    values = [o.split("=", 1)[1] for o in getattr(cfg, stage) if o.split("=", 1)[0] == key]
+    return float(values[-1]) if values and values[-1] not in ("null", "None") else None
+
+
+def budget_plan(cfg: QuickstartConfig) -> Plan:
+    """The run's plan: the one in ``plan.json`` when it was made for the same budget and overrides (a rerun), else
+    a new one from a probe of this box."""
+    from fledge.launch.cli import compose_config
+
+    path = Path(cfg.run_dir) / "plan.json"
+    key = _stamp([cfg.budget_minutes, *[getattr(cfg, s) for s in STAGE_ORDER]])
+    if not cfg.force and path.is_file():
+        plan = Plan.load(path)
+        if plan.key == key:
+            log.info("quickstart: reusing the plan in %s", path)
+            plan.started = time.time() - sum(plan.actual_s.values())  # the clock of this invocation
+            return plan
+    fixed = {s: v for s in SIZE_KEYS if (v := _given_size(cfg, s)) is not None}
+    cache_job, train_job = compose_config("cache", cfg.cache), compose_config("train", cfg.train)
+    eval_job = compose_config("eval", cfg.eval)
+    rates, lengths = probe_box(cache_job, train_job, eval_job)
+    drafters = 1 + int(eval_job.hybrid) + int(eval_job.prompt_lookup)  # eagle3, eagle3+lookup, prompt lookup
+    rows = (1 + int(eval_job.eval.hf_baseline) + drafters) * len(eval_job.prompts)  # decodings per prompt index
+    plan = make_plan(cfg.budget_minutes, rates, lengths, rows, eval_job.eval.max_new_tokens, fixed)
+    plan.started = time.time() - rates.probe_seconds
+    plan.key = key
+    plan.actual_s["probe"] = rates.probe_seconds
+    plan.save(path)
+    return plan
+
+
+def _sized(stage: str, overrides: list[str], size: float | None) -> list[str]:
+    """The stage's overrides with its planned (or fixed) size in front, where the user set none."""
+    key = SIZE_KEYS.get(stage)
+    if key is None or size is None or any(o.split("=", 1)[0] == key for o in overrides):
+        return overrides
+    return [f"{key}={int(size) if stage != 'train' else size}", *overrides]
 
 
 def run_pipeline(cfg: QuickstartConfig) -> dict[str, Any]:
@@ -59,8 +121,12 @@ def run_pipeline(cfg: QuickstartConfig) -> dict[str, Any]:
 
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    plan = budget_plan(cfg) if cfg.budget_minutes is not None else None
+    if plan is not None:
+        print("\n".join(plan_lines(plan)), flush=True)
     timings: dict[str, Any] = {}
     results: dict[str, Any] = {}
+    ran: set[str] = set()
     for stage in STAGE_ORDER:
         if stage not in cfg.stages:
             continue
@@ -68,6 +134,18 @@ def run_pipeline(cfg: QuickstartConfig) -> dict[str, Any]:
         if stage == "cache" and "regenerate" in cfg.stages:
             regen = compose_config("regenerate", cfg.regenerate)
             overrides.append(f"data.source={Path(regen.regenerate.out_dir) / 'conversations.jsonl'}")
+        size = FIXED_SIZES.get(stage)
+        if plan is not None and stage in SIZE_KEYS:
+            if stage == "train" and "cache" in ran:
+                cached = json.loads((Path(compose_config("train", overrides).cache_dir) / "manifest.json").read_text())
+                _, limit = revise_epochs(plan, int(cached["num_tokens"]), timings["cache"]["seconds"])
+                overrides.append(f"train.time_limit_minutes={limit:.2f}")
+            elif stage == "train" and plan.fixed.get("train") is None:
+                overrides.append(f"train.time_limit_minutes={1.1 * plan.predicted_s['train'] / 60:.2f}")
+            if stage == "eval" and "train" in ran:
+                revise_prompts(plan, timings["train"]["seconds"])
+            size = plan.sizes[stage]
+        overrides = _sized(stage, overrides, size)
         done = run_dir / f".done-{stage}.json"
         if not cfg.force and done.is_file() and json.loads(done.read_text()).get("stamp") == _stamp(overrides):
             record = json.loads(done.read_text())
@@ -79,13 +157,19 @@ def run_pipeline(cfg: QuickstartConfig) -> dict[str, Any]:
         results[stage] = run_stage(stage, overrides)
         seconds = time.perf_counter() - start
         timings[stage] = {"seconds": seconds, "skipped": False}
+        ran.add(stage)
         done.write_text(json.dumps({"stamp": _stamp(overrides), "seconds": seconds}))
+        if plan is not None:
+            plan.actual_s[stage] = seconds
+            plan.save(run_dir / "plan.json")
     (run_dir / "timings.json").write_text(json.dumps(timings, indent=1))
-    return {"timings": timings, "results": results}
+    return {"timings": timings, "results": results, "plan": plan}
 
 
-def summary(run_dir: Path, timings: dict[str, Any]) -> str:
+def summary(run_dir: Path, timings: dict[str, Any], plan: Plan | None = None) -> str:
     lines = ["", "fledge quickstart — summary", ""]
+    if plan is not None:
+        lines += [*plan_vs_actual(plan), ""]
     lines.append("stage       seconds")
     for stage, t in timings.items():
         lines.append(f"{stage:<11} {t['seconds']:7.0f}{'  (done before)' if t['skipped'] else ''}")
@@ -125,5 +209,5 @@ def main(argv: list[str]) -> int:
     for stage, overrides in extra.items():
         getattr(cfg, stage).extend(overrides)
     out = run_pipeline(cfg)
-    print(summary(Path(cfg.run_dir), out["timings"]))
+    print(summary(Path(cfg.run_dir), out["timings"], out["plan"]))
     return 0

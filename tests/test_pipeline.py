@@ -102,6 +102,7 @@ def test_quickstart_pipeline_on_a_tiny_verifier(tmp_path, tiny_verifier_dir):
     cfg = QuickstartConfig(
         run_dir=str(run),
         stages=["regenerate", "cache", "train", "eval", "export"],
+        budget_minutes=None,  # fixed sizes (the budget does not size regeneration), overridden below
         regenerate=[verifier, "verifier.dtype=float32", f"data.source={source}", "data.max_length=128",
                     f"regenerate.out_dir={run}/regen", "regenerate.max_new_tokens=24", "regenerate.device=cpu"],
         cache=[f"cache.dir={run}/cache", verifier, "verifier.dtype=float32", f"data.source={source}",

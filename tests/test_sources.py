@@ -303,6 +303,14 @@ def test_mtbench_prompts():
     assert load_prompts("mtbench", max_prompts=5) == prompts[:5]
 
 
+def test_humaneval_prompts_ask_to_complete_the_function_in_a_code_block():
+    prompts = load_prompts("humaneval")
+    assert len(prompts) == 164 and prompts[0]["id"] == "HumanEval/0" and prompts[0]["category"] == "code"
+    turn = prompts[0]["turns"][0]
+    assert turn.count("```") == 2 and "def has_close_elements(" in turn and '"""' in turn
+    assert load_prompts("humaneval", max_prompts=3) == prompts[:3]
+
+
 def test_mtbench_as_conversations():
     answered, report = load_conversations(DataConfig(source="mtbench"))
     assert report.read == 80 and report.kept == 30 and report.skipped == {"no assistant turn": 50}

@@ -42,6 +42,9 @@ class TrainConfig:
     """Optimizer steps to train for; when > 0 it decides the length of the run and ``epochs`` is ignored."""
     epochs: float = 3.0
     """Passes over the training conversations (fractions allowed); used when ``max_steps`` is 0."""
+    time_limit_minutes: float | None = None
+    """Stop at the first step boundary after this much training time (the final draft and a checkpoint are written
+    as at the planned end); None trains all the steps. The quickstart's time budget sets it as a safety net."""
     # ---- batch
     micro_batch_size: int = 4
     """Sequences per forward on each rank (ignored when ``max_tokens`` > 0)."""
@@ -76,6 +79,8 @@ class TrainConfig:
             raise ConfigError(f"need 0 <= train.min_lr ({self.min_lr}) <= train.lr ({self.lr}) and train.lr > 0")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"train.betas must be two numbers in [0, 1), got {self.betas}")
+        if self.time_limit_minutes is not None and self.time_limit_minutes <= 0:
+            raise ConfigError(f"train.time_limit_minutes must be > 0 or null, got {self.time_limit_minutes}")
         if self.warmup_steps is not None and self.warmup_steps < 0:
             raise ConfigError(f"train.warmup_steps must be >= 0 or null, got {self.warmup_steps}")
         if not 0.0 <= self.warmup_ratio < 1.0:

@@ -198,7 +198,7 @@ def run(cfg: TrainJobConfig) -> TrainResult:
     window = MetricWindow()
     last: dict[str, float] = {}
     last_eval: dict[str, float] = {}
-    window_start = time.perf_counter()
+    window_start = loop_start = time.perf_counter()
 
     # ---- the loop
     while state.step < total_steps:
@@ -218,6 +218,10 @@ def run(cfg: TrainJobConfig) -> TrainResult:
             log.warning("step %d: non-finite gradient norm %s, update skipped", state.step, result.grad_norm)
         window.add_step(result.grad_norm)
         logger.advance()
+        if out_of_time(cfg.train.time_limit_minutes, loop_start, device) and state.step < total_steps:
+            log.warning("train.time_limit_minutes=%g reached at step %d of %d: ending the run here",
+                        cfg.train.time_limit_minutes, state.step, total_steps)
+            total_steps = state.step  # the final logging, held-out eval and checkpoint below run for this step
 
         if state.step % cfg.log.every == 0 or state.step == total_steps:
             record = window.reduce(time.perf_counter() - window_start)
@@ -248,6 +252,17 @@ def run(cfg: TrainJobConfig) -> TrainResult:
 
 
 # ------------------------------------------------------------------------------------------------ helpers
+def out_of_time(limit_minutes: float | None, since: float, device: torch.device) -> bool:
+    """Whether the run's time limit has passed; rank 0's clock decides for every rank (one collective per step,
+    only when a limit is set), so that all ranks stop at the same step."""
+    if limit_minutes is None:
+        return False
+    over = torch.tensor([float(time.perf_counter() - since >= 60 * limit_minutes)], device=device)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.broadcast(over, src=0)
+    return bool(over.item())
+
+
 
 
 def seed_everything(seed: int) -> None:

@@ -1,0 +1,304 @@
+"""A time budget for the quickstart: measure this box, then size every stage to fit.
+
+``fledge quickstart budget_minutes=20`` measures three rates on the machine it runs on (the verifier's cached
+forward in tokens/s, the draft's training step in token-passes/s at the quickstart's shapes, plain decoding in
+tokens/s), then chooses how many conversations to cache, how many epochs to train and how many prompts to evaluate
+so that the whole pipeline ends within the budget. A fast box gets more data and steps, not an earlier finish.
+
+The plan is revised as the run goes: after the cache, the epochs are recomputed from the time left and the
+cache's actual speed (a box slower than its probe is slower for training too), and training carries a time limit
+as a safety net; after training, the number of eval prompts is recomputed the same way. ``plan.json`` in the run
+folder records the plan and each revision, so that a rerun reuses it (and skips the finished stages) instead of
+measuring again; ``fledge quickstart`` prints the plan before starting and plan-vs-actual at the end.
+
+Fixed sizes stay available: a size given as a stage override (``cache:data.max_conversations=400``) is kept and
+the planner sizes the rest around it; ``budget_minutes=null`` uses the fixed sizes of ``FIXED_SIZES``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fledge.core.errors import ConfigError
+from fledge.core.files import atomic_write_text
+
+log = logging.getLogger(__name__)
+
+SIZE_KEYS = {"cache": "data.max_conversations", "train": "train.epochs", "eval": "eval.max_prompts"}
+"""The size each stage gets from the plan (a stage override of the same key fixes it)."""
+FIXED_SIZES = {"cache": 160, "train": 2.0, "eval": 8}
+"""The sizes without a budget (``budget_minutes=null``): ~20 minutes on a 2-core AVX2 box."""
+
+MIN_BUDGET_MINUTES = 3.0
+"""Below this, loading the verifier, probing and one evaluation prompt alone take the budget: refused at once."""
+PLAN_FRACTION = 0.95
+"""The plan fills this share of the budget; the rest absorbs what the rates do not predict."""
+PROBE_CONVERSATIONS = 5000
+"""Conversations tokenized up front (their exact lengths size the cache); no budget on a CPU caches more."""
+MIN_CONVERSATIONS = 16
+"""The held-out slice (8) and at least two micro-batches of training conversations."""
+EPOCHS = 2.0
+"""Passes over the cached conversations while the source has more to cache: on a small budget, two epochs over
+more conversations beat more epochs over fewer (measured in the quickstart's history, DESIGN notes)."""
+MAX_EPOCHS = 8.0
+MIN_PROMPTS, MAX_PROMPTS = 4, 80
+EVAL_SHARE = 0.15
+"""Of the budget, what the evaluation may take beyond its minimum of 8 prompts."""
+# Per-stage costs that do not scale with the sizes (process start, loading, the dtype probe, writing the report,
+# measuring v(k)), in seconds; calibrated on the 2-core AVX2 box from plan-vs-actual (README, "Time budget").
+STAGE_FIXED_S = {"cache": 20.0, "train": 25.0, "eval": 45.0, "export": 5.0}
+
+
+@dataclass
+class BoxRates:
+    """What the probe measured on this box."""
+
+    cache_tokens_per_s: float
+    """The verifier's forward with the aux layers captured, over real length-sorted batches."""
+    train_tokens_per_s: float
+    """The draft's training step (forward, TTT unroll, backward, AdamW) at the quickstart's shapes."""
+    decode_tokens_per_s: float
+    """Plain greedy decoding with a KV cache (the evaluation's unit of work)."""
+    train_dtype: str
+    probe_seconds: float
+
+
+@dataclass
+class Plan:
+    budget_s: float
+    rates: BoxRates
+    conversation_tokens: list[int]
+    """Token counts of the source's usable conversations, in the cache's order (the probe tokenized them)."""
+    eval_rows: int
+    """Decodings per eval prompt: plain, Hugging Face generate, and each drafter."""
+    eval_new_tokens: int
+    sizes: dict[str, float] = field(default_factory=dict)
+    predicted_s: dict[str, float] = field(default_factory=dict)
+    actual_s: dict[str, float] = field(default_factory=dict)
+    fixed: dict[str, bool] = field(default_factory=dict)
+    """Sizes the user gave as overrides (kept as they are)."""
+    revisions: list[str] = field(default_factory=list)
+    started: float = field(default_factory=time.time)
+    key: str = ""
+    """The budget and stage overrides the plan was made for (a rerun with the same ones reuses it)."""
+
+    # ---- cost model
+    def cache_s(self, conversations: int) -> float:
+        tokens = sum(self.conversation_tokens[:conversations])
+        return STAGE_FIXED_S["cache"] + tokens / self.rates.cache_tokens_per_s
+
+    def train_s(self, conversations: int, epochs: float, rate: float | None = None) -> float:
+        tokens = sum(self.conversation_tokens[:conversations])
+        return STAGE_FIXED_S["train"] + epochs * tokens / (rate or self.rates.train_tokens_per_s)
+
+    def eval_s(self, prompts: int, rate: float | None = None) -> float:
+        per_prompt = self.eval_rows * self.eval_new_tokens / (rate or self.rates.decode_tokens_per_s)
+        return STAGE_FIXED_S["eval"] + prompts * per_prompt
+
+    def elapsed(self) -> float:
+        return time.time() - self.started
+
+    # ---- persistence
+    def save(self, path: Path) -> None:
+        atomic_write_text(path, json.dumps(asdict(self), indent=1))
+
+    @classmethod
+    def load(cls, path: Path) -> Plan:
+        record = json.loads(path.read_text())
+        record["rates"] = BoxRates(**record["rates"])
+        return cls(**record)
+
+
+def check_budget(minutes: float | None) -> None:
+    """Refuse a budget that cannot hold one training step, before anything runs."""
+    if minutes is not None and minutes < MIN_BUDGET_MINUTES:
+        raise ConfigError(
+            f"budget_minutes={minutes:g} is below the minimum of {MIN_BUDGET_MINUTES:g} minutes (loading and probing "
+            "the verifier, one training step and one evaluation prompt)",
+            fix=f"give budget_minutes >= {MIN_BUDGET_MINUTES:g}, or budget_minutes=null for the fixed sizes",
+        )
+
+
+def make_plan(budget_minutes: float, rates: BoxRates, conversation_tokens: list[int], eval_rows: int,
+              eval_new_tokens: int, fixed: dict[str, float]) -> Plan:
+    """Sizes for cache, train and eval that fill ``PLAN_FRACTION`` of the budget; ``fixed`` sizes are kept."""
+    plan = Plan(budget_minutes * 60, rates, conversation_tokens, eval_rows, eval_new_tokens,
+                fixed={stage: True for stage in fixed})
+    usable = plan.budget_s * PLAN_FRACTION - rates.probe_seconds - STAGE_FIXED_S["export"]
+    # Eval: 8 prompts, more when the budget allows (up to EVAL_SHARE of it), fewer only when it must.
+    per_prompt = plan.eval_s(1) - STAGE_FIXED_S["eval"]
+    prompts = fixed.get("eval") or min(MAX_PROMPTS, max(8, int(EVAL_SHARE * plan.budget_s / per_prompt)))
+    # Cache and train: EPOCHS over as many conversations as fit; more epochs once the source runs out.
+    epochs = fixed.get("train") or EPOCHS
+    left = usable - plan.eval_s(int(prompts))
+    if "cache" in fixed:
+        conversations = int(fixed["cache"])
+    else:
+        conversations = _fit_conversations(plan, left, epochs)
+        if conversations < MIN_CONVERSATIONS and "eval" not in fixed:
+            prompts = MIN_PROMPTS
+            left = usable - plan.eval_s(prompts)
+            conversations = _fit_conversations(plan, left, epochs)
+    if conversations < MIN_CONVERSATIONS:
+        need = (rates.probe_seconds + STAGE_FIXED_S["export"] + plan.eval_s(MIN_PROMPTS)
+                + plan.cache_s(MIN_CONVERSATIONS) + plan.train_s(MIN_CONVERSATIONS, epochs)) / PLAN_FRACTION / 60
+        raise ConfigError(
+            f"budget_minutes={budget_minutes:g} holds fewer than {MIN_CONVERSATIONS} conversations on this box "
+            f"(cache {rates.cache_tokens_per_s:.0f} tokens/s, training {rates.train_tokens_per_s:.0f} tokens/s, "
+            f"decoding {rates.decode_tokens_per_s:.1f} tokens/s); the minimum here is {math.ceil(need)} minutes",
+            fix=f"give budget_minutes >= {math.ceil(need)}",
+        )
+    if "train" not in fixed and conversations >= len(conversation_tokens):
+        spare = left - plan.cache_s(conversations) - STAGE_FIXED_S["train"]
+        epochs = min(MAX_EPOCHS, max(epochs, spare / (sum(conversation_tokens) / rates.train_tokens_per_s)))
+    plan.sizes = {"cache": conversations, "train": round(epochs, 2), "eval": int(prompts)}
+    plan.predicted_s = {"probe": rates.probe_seconds, "cache": plan.cache_s(conversations),
+                        "train": plan.train_s(conversations, epochs), "eval": plan.eval_s(int(prompts)),
+                        "export": STAGE_FIXED_S["export"]}
+    return plan
+
+
+def _fit_conversations(plan: Plan, seconds: float, epochs: float) -> int:
+    """The most conversations (in cache order) whose cache and ``epochs`` of training fit in ``seconds``."""
+    r = plan.rates
+    cost = STAGE_FIXED_S["cache"] + STAGE_FIXED_S["train"]
+    n = 0
+    for tokens in plan.conversation_tokens:
+        cost += tokens / r.cache_tokens_per_s + epochs * tokens / r.train_tokens_per_s
+        if cost > seconds:
+            break
+        n += 1
+    return n
+
+
+def revise_epochs(plan: Plan, cached_tokens: int, cache_seconds: float) -> tuple[float, float]:
+    """After the cache: epochs that fill the time left, with the training rate scaled by how the cache's real speed
+    compared with its prediction; and the training's time limit in minutes (a safety net 10 % above its share)."""
+    slowdown = min(2.0, max(0.5, cache_seconds / plan.predicted_s["cache"]))
+    rate = plan.rates.train_tokens_per_s / slowdown
+    eval_s = plan.eval_s(int(plan.sizes["eval"]), plan.rates.decode_tokens_per_s / slowdown)
+    left = plan.budget_s * PLAN_FRACTION - plan.elapsed() - eval_s - STAGE_FIXED_S["export"] - STAGE_FIXED_S["train"]
+    epochs = plan.sizes["train"]
+    if not plan.fixed.get("train"):
+        epochs = round(min(MAX_EPOCHS, max(0.1, left * rate / max(cached_tokens, 1))), 2)
+    seconds = STAGE_FIXED_S["train"] + epochs * cached_tokens / rate
+    plan.revisions.append(f"after cache ({cache_seconds:.0f} s, {slowdown:.2f}x its prediction): train.epochs "
+                          f"{plan.sizes['train']} -> {epochs} ({seconds:.0f} s predicted)")
+    plan.sizes["train"], plan.predicted_s["train"] = epochs, seconds
+    return epochs, 1.1 * seconds / 60
+
+
+def revise_prompts(plan: Plan, train_seconds: float) -> int:
+    """After training: the eval prompts that fit in the time left (at least ``MIN_PROMPTS``)."""
+    slowdown = min(2.0, max(0.5, train_seconds / plan.predicted_s["train"]))
+    rate = plan.rates.decode_tokens_per_s / slowdown
+    if plan.fixed.get("eval"):
+        return int(plan.sizes["eval"])
+    left = plan.budget_s * PLAN_FRACTION - plan.elapsed() - STAGE_FIXED_S["export"]
+    per_prompt = plan.eval_s(1, rate) - STAGE_FIXED_S["eval"]
+    prompts = int(min(plan.sizes["eval"], max(MIN_PROMPTS, (left - STAGE_FIXED_S["eval"]) / per_prompt)))
+    if prompts != plan.sizes["eval"]:
+        plan.revisions.append(f"after train ({train_seconds:.0f} s, {slowdown:.2f}x its prediction): "
+                              f"eval.max_prompts {plan.sizes['eval']} -> {prompts}")
+    plan.sizes["eval"], plan.predicted_s["eval"] = prompts, plan.eval_s(prompts, rate)
+    return prompts
+
+
+def plan_lines(plan: Plan) -> list[str]:
+    r = plan.rates
+    tokens = sum(plan.conversation_tokens[: int(plan.sizes["cache"])])
+    lines = [
+        f"fledge quickstart — plan for {plan.budget_s / 60:g} minutes on this box "
+        f"(probe {r.probe_seconds:.0f} s: cache {r.cache_tokens_per_s:.0f} tokens/s, training "
+        f"{r.train_tokens_per_s:.0f} tokens/s in {r.train_dtype}, decoding {r.decode_tokens_per_s:.1f} tokens/s)",
+        f"  cache   {int(plan.sizes['cache'])} conversations, {tokens:,} tokens"
+        f"{'  (fixed)' if plan.fixed.get('cache') else ''}",
+        f"  train   {plan.sizes['train']} epochs, {plan.sizes['train'] * tokens:,.0f} token-passes"
+        f"{'  (fixed)' if plan.fixed.get('train') else ''}",
+        f"  eval    {int(plan.sizes['eval'])} prompts x {plan.eval_new_tokens} tokens x {plan.eval_rows} decodings"
+        f"{'  (fixed)' if plan.fixed.get('eval') else ''}",
+        f"  predicted {sum(plan.predicted_s.values()) / 60:.1f} minutes",
+    ]
+    return lines
+
+
+def plan_vs_actual(plan: Plan) -> list[str]:
+    lines = ["stage       planned s  actual s"]
+    for stage, predicted in plan.predicted_s.items():
+        actual = plan.actual_s.get(stage)
+        lines.append(f"{stage:<11} {predicted:9.0f}  {'-' if actual is None else f'{actual:8.0f}'}")
+    total = sum(plan.actual_s.values())
+    lines.append(f"{'total':<11} {sum(plan.predicted_s.values()):9.0f}  {total:8.0f}   "
+                 f"(budget {plan.budget_s:.0f} s: {total / plan.budget_s:.0%} used)")
+    lines += [f"revised {r}" for r in plan.revisions]
+    return lines
+
+
+def probe_box(cache_job: Any, train_job: Any, eval_job: Any) -> tuple[BoxRates, list[int]]:
+    """Measure the three rates on this box with the stages' own code and shapes (~45 s on a 2-core CPU), and the
+    token count of each usable conversation of the source (in the cache's order)."""
+    import dataclasses
+
+    import torch
+
+    from fledge.core.dist import DistInfo, pick_device
+    from fledge.data.cache_bench import bare_forward
+    from fledge.data.cache_job import prepare
+    from fledge.data.sources import load_prompts
+    from fledge.eval.runner import encode_prompt
+    from fledge.eval.verifier_state import generate_plain
+    from fledge.models.verifier import load_verifier
+    from fledge.train.bench import TrainBenchConfig, bench_dtype
+    from fledge.train.engine import choose_train_dtype
+
+    start = time.perf_counter()
+    device = pick_device(cache_job.cache.device)
+    limit = cache_job.data.max_conversations or PROBE_CONVERSATIONS
+    job = dataclasses.replace(cache_job, data=dataclasses.replace(cache_job.data, max_conversations=limit))
+    prep = prepare(job, DistInfo(), device)
+    lengths = [len(s.input_ids) for s in prep.samples]
+
+    # The cache: the verifier's forward over real batches of the cache's own plan, spread over its lengths.
+    batches = [b for shard in prep.plan.shards for b in shard]
+    bare_forward(prep, batches[:1])
+    picked, tokens = [], 0
+    for batch in batches[:: max(1, len(batches) // 8)]:
+        picked.append(batch)
+        tokens += sum(lengths[i] for i in batch)
+        if tokens >= 3000:
+            break
+    cache_rate = tokens / bare_forward(prep, picked)
+
+    # Training: one step (after one untimed) at the run's shapes, in the dtype train.dtype=auto will pick.
+    hf = prep.verifier.model.config
+    heads = hf.num_attention_heads
+    draft_vocab = min(cache_job.cache.draft_vocab_size, hf.vocab_size)
+    dtype = choose_train_dtype(train_job.train.dtype, device, (512, hf.hidden_size, draft_vocab))
+    bench = TrainBenchConfig(
+        hidden_size=hf.hidden_size, intermediate_size=hf.intermediate_size, num_attention_heads=heads,
+        num_key_value_heads=getattr(hf, "num_key_value_heads", heads),
+        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads, target_hidden_size=hf.hidden_size,
+        vocab_size=hf.vocab_size, draft_vocab_size=draft_vocab,
+        seq_len=max(4, int(sorted(lengths)[len(lengths) // 2])), batch_size=train_job.train.micro_batch_size,
+        ttt_steps=train_job.ttt.ttt_steps, steps=1, warmup=1, dtypes=[dtype],
+    )
+    train_rate = bench_dtype(bench, dtype)["tokens_per_s"]
+    del prep
+
+    # Decoding: plain greedy with a KV cache, in the kernel the evaluation decodes with.
+    verifier = load_verifier(eval_job.verifier, device, decoding=True)
+    prompt = encode_prompt(verifier.tokenizer, load_prompts(eval_job.prompts[0], 1)[0])
+    generate_plain(verifier.model, prompt, max_new_tokens=4)
+    result = generate_plain(verifier.model, prompt, max_new_tokens=32)
+    decode_rate = len(result.tokens) / result.seconds
+    del verifier
+    torch.set_grad_enabled(True)
+    rates = BoxRates(cache_rate, train_rate, decode_rate, dtype, time.perf_counter() - start)
+    log.info("budget probe: %s", rates)
+    return rates, lengths
