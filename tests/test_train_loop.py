@@ -209,3 +209,40 @@ def test_head_from_the_verifier_and_frozen(cache, tmp_path):
     assert 0 < moved < 0.1 * rows.abs().max()  # it started there and took two small steps away
     with pytest.raises(ConfigError, match="train.head_init must be one of"):
         run_stage("train", train_overrides(cache, tmp_path / "x", **{"train.head_init": "copy"}))
+
+
+def test_muon_trains_the_hidden_matrices_and_resumes_exactly(cache, tmp_path):
+    from fledge.train.config import TrainConfig
+    from fledge.train.engine import OptimizerPair, make_optimizer
+
+    # Muon takes the decoder layer's matrices and fc; AdamW keeps lm_head and the norms.
+    from fledge.models.draft import Eagle3Config, Eagle3Draft
+
+    config = Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=8, vocab_size=100, draft_vocab_size=50, target_hidden_size=32)
+    draft = Eagle3Draft(config, seed=0)
+    optimizer, _ = make_optimizer(draft, TrainConfig(optimizer="muon", max_steps=4), 4)
+    assert isinstance(optimizer, OptimizerPair)
+    muon, adamw = optimizer.optimizers
+    names = {id(p): n for n, p in draft.named_parameters()}
+    muon_names = {names[id(p)] for g in muon.param_groups for p in g["params"]}
+    adamw_names = {names[id(p)] for g in adamw.param_groups for p in g["params"]}
+    assert "fc.weight" in muon_names and any("mlp" in n for n in muon_names)
+    assert "lm_head.weight" in adamw_names and not any("lm_head" in n or "norm" in n for n in muon_names)
+
+    # A run, and one resumed from its step-2 checkpoint (both optimizers' states), end with the same weights.
+    args = {"train.max_steps": 4, "train.optimizer": "muon", "train.lr": 1e-2, "checkpoint.every": 2,
+            "checkpoint.keep_last": 2}
+    whole = tmp_path / "whole"
+    run_stage("train", train_overrides(cache, whole, **args))
+    part = tmp_path / "part"
+    shutil.copytree(whole / "checkpoints" / "step-000002", part / "checkpoints" / "step-000002")
+    run_stage("train", train_overrides(cache, part, **args))
+    a = load_file(str(whole / "draft" / "model.safetensors"))
+    b = load_file(str(part / "draft" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    losses = [r["loss"] for r in read_jsonl(whole / "metrics.jsonl") if "loss" in r]
+    assert losses[-1] < losses[0]
+    with pytest.raises(ConfigError, match="torch engines only"):
+        run_stage("train", train_overrides(cache, tmp_path / "x", **{"train.optimizer": "muon",
+                                                                       "engine.kind": "deepspeed"}))

@@ -15,11 +15,15 @@ from fledge.core.errors import ConfigError
 
 DTYPES = ("auto", "fp32", "bf16")
 HEAD_INITS = ("random", "verifier")
+OPTIMIZERS = ("adamw", "muon")
 
 
 @dataclass
 class TrainConfig:
-    # ---- optimizer: AdamW
+    # ---- optimizer: AdamW (or Muon for the hidden matrices)
+    optimizer: str = "adamw"
+    """'adamw', or 'muon': torch's Muon for the decoder layer's matrices and ``fc``, AdamW for ``lm_head`` and the
+    norms (``train.engine.make_optimizer``); torch and DDP engines only."""
     lr: float = 3e-4
     """Peak learning rate, reached after warmup. EAGLE-3's published 5e-5 is sized for ~500k conversations x 40
     epochs and barely moves a draft on a small budget; 3e-4 trains the tiny and the 135M-verifier drafts in
@@ -73,6 +77,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.head_init not in HEAD_INITS:
             raise ConfigError(f"train.head_init must be one of {HEAD_INITS}, got {self.head_init!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"train.optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"train.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:

@@ -106,14 +106,56 @@ def warmup_cosine(total_steps: int, warmup_steps: int, min_ratio: float) -> Call
 def make_optimizer(
     module: nn.Module, train: TrainConfig, total_steps: int
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    decay, no_decay = [], []
-    for p in module.parameters():
-        if p.requires_grad:
+    """AdamW over every trainable parameter (decay on matrices only), or with ``train.optimizer=muon``: Muon for the
+    hidden matrices (the decoder layer and ``fc``) and AdamW for the rest (``lm_head``, norms), as Muon's authors
+    prescribe. Muon's step is scaled to AdamW's update size (``match_rms_adamw``), so both take ``train.lr``."""
+    decay, no_decay, hidden = [], [], []
+    for name, p in module.named_parameters():
+        if not p.requires_grad:
+            continue
+        if train.optimizer == "muon" and p.dim() == 2 and "lm_head" not in name:
+            hidden.append(p)
+        else:
             (decay if p.dim() >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=train.lr, betas=tuple(train.betas), eps=train.eps)
+    optimizer: torch.optim.Optimizer = torch.optim.AdamW(groups, lr=train.lr, betas=tuple(train.betas), eps=train.eps)
+    if hidden:
+        muon = torch.optim.Muon(hidden, lr=train.lr, weight_decay=train.weight_decay, adjust_lr_fn="match_rms_adamw")
+        optimizer = OptimizerPair([muon, optimizer])
     schedule = warmup_cosine(total_steps, train.warmup(total_steps), train.min_lr / train.lr)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+
+class OptimizerPair(torch.optim.Optimizer):
+    """Two optimizers stepped as one, so that one LR schedule, one clipping and one checkpoint cover both: its
+    ``param_groups`` are theirs (the schedule sets their learning rates), its state dict holds both."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:  # noqa: D107 (no base __init__: no params)
+        self.optimizers = list(optimizers)
+        self.defaults: dict[str, Any] = {}
+        self.state: dict[Any, Any] = {}
+        self._optimizer_step_pre_hooks: dict[int, Any] = {}
+        self._optimizer_step_post_hooks: dict[int, Any] = {}
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        # Read anew each time: loading a state dict gives each optimizer new group dicts.
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    def step(self, closure: Any = None) -> None:
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizers": [o.state_dict() for o in self.optimizers]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for o, s in zip(self.optimizers, state_dict["optimizers"], strict=True):
+            o.load_state_dict(s)
 
 
 def _free_port() -> int:

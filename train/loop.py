@@ -79,6 +79,9 @@ class TrainJobConfig:
                 f"eval.every={self.eval.every} needs held-out data: set eval.holdout=N (the last N conversations "
                 "of the cache) or eval.cache_dir=PATH, or eval.every=0"
             )
+        if self.engine.kind == "deepspeed" and self.train.optimizer != "adamw":
+            raise ConfigError(f"train.optimizer={self.train.optimizer} runs on the torch engines only",
+                              fix="use engine.kind=single or ddp, or train.optimizer=adamw with DeepSpeed")
         if self.engine.kind != "deepspeed" and self.engine.deepspeed_config:
             raise ConfigError(
                 f"engine.deepspeed_config is set but engine.kind={self.engine.kind!r}; use engine.kind=deepspeed"
@@ -118,6 +121,7 @@ RESUME_INVARIANTS = (
     _job.train.max_tokens,
     _job.train.grad_accum,
     _job.train.freeze_head,
+    _job.train.optimizer,
     _job.ttt.ttt_steps,
     _job.ttt.step_decay,
     _job.engine.kind,
