@@ -212,12 +212,11 @@ def test_head_from_the_verifier_and_frozen(cache, tmp_path):
 
 
 def test_muon_trains_the_hidden_matrices_and_resumes_exactly(cache, tmp_path):
+    from fledge.models.draft import Eagle3Config, Eagle3Draft
     from fledge.train.config import TrainConfig
     from fledge.train.engine import OptimizerPair, make_optimizer
 
     # Muon takes the decoder layer's matrices and fc; AdamW keeps lm_head and the norms.
-    from fledge.models.draft import Eagle3Config, Eagle3Draft
-
     config = Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                           head_dim=8, vocab_size=100, draft_vocab_size=50, target_hidden_size=32)
     draft = Eagle3Draft(config, seed=0)
