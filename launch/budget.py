@@ -240,9 +240,12 @@ def plan_vs_actual(plan: Plan) -> list[str]:
     return lines
 
 
-def probe_box(cache_job: Any, train_job: Any, eval_job: Any) -> tuple[BoxRates, list[int]]:
+def probe_box(
+    cache_job: Any, train_job: Any, eval_job: Any, conversations: int | None = None
+) -> tuple[BoxRates, list[int]]:
     """Measure the three rates on this box with the stages' own code and shapes (~45 s on a 2-core CPU), and the
-    token count of each usable conversation of the source (in the cache's order)."""
+    token count of each usable conversation of the source, in the cache's order: the first ``conversations`` (a
+    size the user fixed) or up to ``PROBE_CONVERSATIONS``."""
     import dataclasses
 
     import torch
@@ -259,7 +262,7 @@ def probe_box(cache_job: Any, train_job: Any, eval_job: Any) -> tuple[BoxRates, 
 
     start = time.perf_counter()
     device = pick_device(cache_job.cache.device)
-    limit = cache_job.data.max_conversations or PROBE_CONVERSATIONS
+    limit = conversations or PROBE_CONVERSATIONS
     job = dataclasses.replace(cache_job, data=dataclasses.replace(cache_job.data, max_conversations=limit))
     prep = prepare(job, DistInfo(), device)
     lengths = [len(s.input_ids) for s in prep.samples]
@@ -271,7 +274,7 @@ def probe_box(cache_job: Any, train_job: Any, eval_job: Any) -> tuple[BoxRates, 
     for batch in batches[:: max(1, len(batches) // 8)]:
         picked.append(batch)
         tokens += sum(lengths[i] for i in batch)
-        if tokens >= 3000:
+        if tokens >= 2000:
             break
     cache_rate = tokens / bare_forward(prep, picked)
 
@@ -285,8 +288,8 @@ def probe_box(cache_job: Any, train_job: Any, eval_job: Any) -> tuple[BoxRates, 
         num_key_value_heads=getattr(hf, "num_key_value_heads", heads),
         head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads, target_hidden_size=hf.hidden_size,
         vocab_size=hf.vocab_size, draft_vocab_size=draft_vocab,
-        seq_len=max(4, int(sorted(lengths)[len(lengths) // 2])), batch_size=train_job.train.micro_batch_size,
-        ttt_steps=train_job.ttt.ttt_steps, steps=1, warmup=1, dtypes=[dtype],
+        seq_len=max(4, int(sorted(lengths)[len(lengths) // 2])),
+        ttt_steps=train_job.ttt.ttt_steps, steps=1, warmup=1, dtypes=[dtype], batch_size=2,
     )
     train_rate = bench_dtype(bench, dtype)["tokens_per_s"]
     del prep
@@ -295,8 +298,8 @@ def probe_box(cache_job: Any, train_job: Any, eval_job: Any) -> tuple[BoxRates, 
     verifier = load_verifier(eval_job.verifier, device, decoding=True)
     prompt = encode_prompt(verifier.tokenizer, load_prompts(eval_job.prompts[0], 1)[0])
     generate_plain(verifier.model, prompt, max_new_tokens=4)
-    result = generate_plain(verifier.model, prompt, max_new_tokens=32)
-    decode_rate = len(result.tokens) / result.seconds
+    result = generate_plain(verifier.model, prompt, max_new_tokens=24)
+    decode_rate = (len(result.tokens) - 1) / (result.seconds - result.prefill_seconds)  # steps after the prefill
     del verifier
     torch.set_grad_enabled(True)
     rates = BoxRates(cache_rate, train_rate, decode_rate, dtype, time.perf_counter() - start)

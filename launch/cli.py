@@ -80,7 +80,8 @@ STAGES: dict[str, Stage] = {
         "cache -> train -> eval -> export", hydra=False,
     ),
     "export": Stage(
-        "fledge.export.job:ExportJobConfig", "fledge.export.job:run", "write a serving checkpoint", out_keys=("out_dir",)
+        "fledge.export.job:ExportJobConfig", "fledge.export.job:run", "write a serving checkpoint",
+        out_keys=("out_dir",),
     ),
     "sweep_table": Stage(
         "", "fledge.launch.sweep:table_main", "one table (and a PNG) from a sweep's folder", hydra=False

@@ -97,7 +97,7 @@ def budget_plan(cfg: QuickstartConfig) -> Plan:
     fixed = {s: v for s in SIZE_KEYS if (v := _given_size(cfg, s)) is not None}
     cache_job, train_job = compose_config("cache", cfg.cache), compose_config("train", cfg.train)
     eval_job = compose_config("eval", cfg.eval)
-    rates, lengths = probe_box(cache_job, train_job, eval_job)
+    rates, lengths = probe_box(cache_job, train_job, eval_job, None if "cache" not in fixed else int(fixed["cache"]))
     drafters = 1 + int(eval_job.hybrid) + int(eval_job.prompt_lookup)  # eagle3, eagle3+lookup, prompt lookup
     rows = (1 + int(eval_job.eval.hf_baseline) + drafters) * len(eval_job.prompts)  # decodings per prompt index
     plan = make_plan(cfg.budget_minutes, rates, lengths, rows, eval_job.eval.max_new_tokens, fixed)
