@@ -509,6 +509,21 @@ class Eagle3Draft(nn.Module):
             self.lm_head.weight.copy_(head.to(self.lm_head.weight)[rows.to(head.device)])
             self.norm.weight.copy_(final_norm.to(self.norm.weight))
 
+    def init_as_lens(self) -> None:
+        """Start as the verifier's logit lens on its top aux layer: ``fc`` passes that layer's state through and the
+        decoder layer's two output projections start at zero, so the residual stream is that state, read by the
+        (copied) head. Training then learns, from the next token's embedding, the step from there to t+2."""
+        cfg = self.config
+        if cfg.hidden_size != cfg.target_hidden_size:
+            raise MismatchError(f"the lens initialisation needs the draft's hidden size ({cfg.hidden_size}) to be the "
+                                f"verifier's ({cfg.target_hidden_size})")
+        h = cfg.hidden_size
+        with torch.no_grad():
+            self.fc.weight.zero_()
+            self.fc.weight[:, 2 * h:] = torch.eye(h, dtype=self.fc.weight.dtype, device=self.fc.weight.device)
+            self.midlayer.self_attn.o_proj.weight.zero_()
+            self.midlayer.mlp.down_proj.weight.zero_()
+
     def load_verifier_embedding(self, weight: torch.Tensor) -> None:
         if tuple(weight.shape) != tuple(self.embed_tokens.weight.shape):
             raise MismatchError(

@@ -245,3 +245,26 @@ def test_muon_trains_the_hidden_matrices_and_resumes_exactly(cache, tmp_path):
     with pytest.raises(ConfigError, match="torch engines only"):
         run_stage("train", train_overrides(cache, tmp_path / "x", **{"train.optimizer": "muon",
                                                                        "engine.kind": "deepspeed"}))
+
+
+def test_the_lens_initialisation_reads_the_top_aux_layer_through_the_copied_head(cache):
+    import dataclasses
+
+    from fledge.data.cache import CacheReader
+    from fledge.models.verifier import load_final_norm
+    from fledge.train.config import TrainConfig
+    from fledge.train.loop import build_draft
+
+    reader = CacheReader(cache)
+    norm = load_final_norm(reader.verifier_dir).float()
+    draft, _ = build_draft(reader, dataclasses.replace(TrainConfig(), head_init="lens", head_init_scale=0.5))
+    h = draft.config.hidden_size
+    assert torch.equal(draft.norm.weight, 0.5 * norm)
+    assert torch.equal(draft.fc.weight[:, 2 * h:], torch.eye(h)) and not draft.fc.weight[:, : 2 * h].any()
+    assert not draft.midlayer.self_attn.o_proj.weight.any() and not draft.midlayer.mlp.down_proj.weight.any()
+    # The residual stream is the top aux state: the draft's output is that state, whatever the next token.
+    aux = torch.randn(1, 5, 3 * h)
+    fused = draft.fuse(aux)
+    assert torch.equal(fused, aux[..., 2 * h:])
+    with pytest.raises(ConfigError, match="head_init_scale must be > 0"):
+        TrainConfig(head_init="lens", head_init_scale=0)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from fledge.core.errors import ConfigError
 
 DTYPES = ("auto", "fp32", "bf16")
-HEAD_INITS = ("random", "verifier")
+HEAD_INITS = ("random", "verifier", "lens")
 OPTIMIZERS = ("adamw", "muon")
 
 
@@ -59,9 +59,13 @@ class TrainConfig:
     micro-batches."""
     # ---- initialisation
     head_init: str = "random"
-    """'random' (normal(0, 0.02), as EAGLE-3 and SpecForge), or 'verifier': the draft's ``lm_head`` starts as the
+    """'random' (normal(0, 0.02), as EAGLE-3 and SpecForge); 'verifier': the draft's ``lm_head`` starts as the
     verifier's head rows for the draft vocabulary and its ``norm`` as the verifier's final norm (speculators'
-    default), so that a draft hidden state like the verifier's final one already predicts like the verifier."""
+    default); 'lens': that, and the draft starts as the verifier's logit lens on its top aux layer (``fc`` passes
+    that layer through, the decoder layer's output projections start at zero; ``Eagle3Draft.init_as_lens``)."""
+    head_init_scale: float = 1.0
+    """Multiplies the copied final norm (head_init=verifier or lens): the copied head is as sharp as the verifier's
+    own, and on a hidden state it was not trained for that gives confident, wrong logits (README, "Levers")."""
     freeze_head: bool = False
     """Keep ``lm_head`` and ``norm`` at their initial values (meant with head_init=verifier; fewer weights to train)."""
     # ---- numerics
@@ -77,6 +81,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.head_init not in HEAD_INITS:
             raise ConfigError(f"train.head_init must be one of {HEAD_INITS}, got {self.head_init!r}")
+        if self.head_init_scale <= 0:
+            raise ConfigError(f"train.head_init_scale must be > 0, got {self.head_init_scale}")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"train.optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if self.dtype not in DTYPES:

@@ -324,8 +324,10 @@ def build_draft(reader: CacheReader, train: TrainConfig) -> tuple[Eagle3Draft, t
     embed, head = load_embed_and_head(verifier_dir)
     draft.load_verifier_embedding(embed.float())
     draft.set_draft_vocab(d2t, t2d)
-    if train.head_init == "verifier":
-        draft.init_head_from_verifier(head.float(), load_final_norm(verifier_dir).float())
+    if train.head_init in ("verifier", "lens"):
+        draft.init_head_from_verifier(head.float(), train.head_init_scale * load_final_norm(verifier_dir).float())
+    if train.head_init == "lens":
+        draft.init_as_lens()
     if train.freeze_head:
         draft.lm_head.weight.requires_grad_(False)
         draft.norm.weight.requires_grad_(False)
