@@ -248,8 +248,6 @@ def probe_box(
     size the user fixed) or up to ``PROBE_CONVERSATIONS``."""
     import dataclasses
 
-    import torch
-
     from fledge.core.dist import DistInfo, pick_device
     from fledge.data.cache_bench import bare_forward
     from fledge.data.cache_job import prepare
@@ -301,7 +299,6 @@ def probe_box(
     result = generate_plain(verifier.model, prompt, max_new_tokens=24)
     decode_rate = (len(result.tokens) - 1) / (result.seconds - result.prefill_seconds)  # steps after the prefill
     del verifier
-    torch.set_grad_enabled(True)
     rates = BoxRates(cache_rate, train_rate, decode_rate, dtype, time.perf_counter() - start)
     log.info("budget probe: %s", rates)
     return rates, lengths

@@ -268,3 +268,18 @@ def test_the_lens_initialisation_reads_the_top_aux_layer_through_the_copied_head
     assert torch.equal(fused, aux[..., 2 * h:])
     with pytest.raises(ConfigError, match="head_init_scale must be > 0"):
         TrainConfig(head_init="lens", head_init_scale=0)
+
+
+def test_a_time_limit_ends_the_run_at_a_step_boundary_with_its_final_draft(cache, tmp_path):
+    import time
+
+    from fledge.train.loop import out_of_time
+
+    assert not out_of_time(None, 0.0, torch.device("cpu"))
+    assert out_of_time(1e-9, time.perf_counter() - 1, torch.device("cpu"))
+    assert not out_of_time(60.0, time.perf_counter(), torch.device("cpu"))
+    out = tmp_path / "limited"
+    result = run_stage("train", train_overrides(cache, out, **{"train.max_steps": 4, "train.time_limit_minutes": 1e-9}))
+    assert result.step == 1  # the first step boundary is past the limit
+    assert (out / "draft" / "model.safetensors").is_file()
+    assert [step for step, _ in complete_checkpoints(out / "checkpoints")] == [1]

@@ -257,16 +257,16 @@ def run(cfg: TrainJobConfig) -> TrainResult:
 
 # ------------------------------------------------------------------------------------------------ helpers
 def out_of_time(limit_minutes: float | None, since: float, device: torch.device) -> bool:
-    """Whether the run's time limit has passed; rank 0's clock decides for every rank (one collective per step,
-    only when a limit is set), so that all ranks stop at the same step."""
+    """Whether the run's time limit has passed. Under several ranks, rank 0's clock decides for all (one broadcast
+    per step, only when a limit is set), so that every rank stops at the same step; one process reads its clock."""
     if limit_minutes is None:
         return False
-    over = torch.tensor([float(time.perf_counter() - since >= 60 * limit_minutes)], device=device)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.broadcast(over, src=0)
-    return bool(over.item())
-
-
+    over = time.perf_counter() - since >= 60 * limit_minutes
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return over
+    flag = torch.tensor([float(over)], device=device)
+    torch.distributed.broadcast(flag, src=0)
+    return bool(flag.item())
 
 
 def seed_everything(seed: int) -> None:
