@@ -18,6 +18,7 @@ class PromptLookupDrafter:
     """
 
     needs_aux = False
+    aux_layer_ids = None
     supports_tree = False
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
@@ -67,13 +68,16 @@ class RandomDrafter:
     accepted."""
 
     needs_aux = False
+    aux_layer_ids = None
     supports_tree = True
 
-    def __init__(self, vocab_size: int, seed: int = 0, sharpness: float = 3.0):
+    def __init__(self, vocab_size: int, seed: int = 0, sharpness: float = 3.0, device: str | torch.device = "cpu"):
         self.target_vocab_size = vocab_size
         self.draft_to_target: torch.Tensor | None = None
         self.sharpness = sharpness
-        self._generator = torch.Generator().manual_seed(seed)
+        self.device = torch.device(device)
+        # Its own generator, on the device its logits live on (a CUDA generator cannot fill a CPU tensor).
+        self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._slots = 0
 
     def start(self, context: torch.Tensor, aux: torch.Tensor | None) -> None:
@@ -83,13 +87,14 @@ class RandomDrafter:
         self._slots = 0
 
     def root_logits(self) -> torch.Tensor:
-        return torch.randn(self.target_vocab_size, generator=self._generator) * self.sharpness
+        return torch.randn(self.target_vocab_size, generator=self._generator, device=self.device) * self.sharpness
 
     def expand(self, parent_slots: list[int], tokens: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         k = len(parent_slots)
         slots = list(range(self._slots, self._slots + k))
         self._slots += k
-        return torch.randn(k, self.target_vocab_size, generator=self._generator) * self.sharpness, slots
+        logits = torch.randn(k, self.target_vocab_size, generator=self._generator, device=self.device)
+        return logits * self.sharpness, slots
 
     def propose_chain(self, n: int, sampling: SamplingParams, generator: torch.Generator | None) -> ChainDraft:
         return propose_chain_with(self, n, sampling, generator)
@@ -113,6 +118,8 @@ class EagleDrafter:
 
     def __init__(self, draft: Eagle3Draft, min_prob: float = 0.0):
         self.draft = draft.eval()
+        self.aux_layer_ids = [int(i) for i in draft.config.aux_layer_ids]
+        """The verifier states this draft was trained on: the draft, not the verifier's defaults, decides them."""
         self.min_prob = min_prob
         """Chains stop before a position the draft is less sure of than this (``propose_chain_with``)."""
         weight = draft.fc.weight
@@ -222,6 +229,7 @@ class HybridDrafter:
     def __init__(self, eagle: EagleDrafter, lookup: PromptLookupDrafter):
         self.eagle = eagle
         self.lookup = lookup
+        self.aux_layer_ids = eagle.aux_layer_ids
         self.draft_to_target = eagle.draft_to_target
         self.target_vocab_size = eagle.target_vocab_size
         self.used_lookup = 0

@@ -225,4 +225,5 @@ def random_eagle_factory(verifier: nn.Module, aux_layer_ids: list[int], seed: in
     draft.set_draft_vocab(torch.arange(1, vocab, 2)[: vocab // 2] - torch.arange(vocab // 2), t2d)
     with torch.no_grad():
         draft.lm_head.weight.mul_(peak)  # confident and wrong, so that rejections and residuals happen often
+    draft = draft.to(verifier.get_input_embeddings().weight.device)
     return lambda: EagleDrafter(draft)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fledge.core.dist import pick_device
 from fledge.core.errors import ConfigError
 from fledge.eval.drafters import RandomDrafter
 from fledge.eval.exactness import exactness_check, random_eagle_factory, tiny_verifier
@@ -41,6 +42,10 @@ class ExactnessJobConfig:
     significance: float = 1e-3
     """Probability that the whole check fails a correct loop."""
     seed: int = 0
+    device: str = "cpu"
+    """Where the loops run: ``cpu``, ``cuda``, ``cuda:1`` or ``auto`` (CUDA when there is one). The counts and the
+    exact distribution are the same on every device; a GPU run checks that the loops' randomness and tensors stay
+    on it."""
 
     def __post_init__(self) -> None:
         bad = [m for m in self.methods if m not in ("chain", "tree")] + [d for d in self.drafts if d not in DRAFTS]
@@ -53,7 +58,8 @@ class ExactnessJobConfig:
 def run(cfg: ExactnessJobConfig) -> bool:
     torch.manual_seed(cfg.seed)
     # A peaked head (as in the tests) concentrates the first positions on few tokens, so the joint test has power.
-    verifier = tiny_verifier(cfg.arch, vocab_size=cfg.vocab_size, num_layers=1, peak=12.0, seed=cfg.seed)
+    device = pick_device(cfg.device)
+    verifier = tiny_verifier(cfg.arch, vocab_size=cfg.vocab_size, num_layers=1, peak=12.0, seed=cfg.seed).to(device)
     aux = [0, 1, 1]
     prompt = torch.tensor([1, 5, 7, 2]) % cfg.vocab_size
     sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
@@ -64,7 +70,8 @@ def run(cfg: ExactnessJobConfig) -> bool:
             factory, aux_ids = random_eagle_factory(verifier, aux, seed=cfg.seed), aux
         else:
             seeds = iter(range(cfg.seed, cfg.seed + 10**9))
-            factory, aux_ids = (lambda: RandomDrafter(cfg.vocab_size, seed=next(seeds), sharpness=3.0)), None
+            factory, aux_ids = (lambda: RandomDrafter(cfg.vocab_size, seed=next(seeds), sharpness=3.0,
+                                                     device=device)), None
         for method in cfg.methods:
             report = exactness_check(verifier, factory, method, cfg.n_runs, prompt_ids=prompt, sampling=sampling,
                                      tree_shape=shape, aux_layer_ids=aux_ids, significance=cfg.significance,

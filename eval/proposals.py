@@ -103,6 +103,9 @@ class DraftStepper(Protocol):
 class Drafter(Protocol):
     needs_aux: bool
     """Whether ``start``/``advance`` need the verifier's aux hidden states (EAGLE) or only tokens."""
+    aux_layer_ids: list[int] | None
+    """Which verifier states (``output_hidden_states`` indices) it reads: its own, from the draft's config; None
+    when it reads none."""
     supports_tree: bool
 
     def start(self, context: torch.Tensor, aux: torch.Tensor | None) -> None:

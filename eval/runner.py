@@ -35,11 +35,12 @@ from fledge.eval.proposals import Drafter, TreeShape
 from fledge.eval.tree import generate_tree
 from fledge.eval.tune import CostModel, measure_verify_cost
 from fledge.eval.verifier_state import ROUND_PARTS, DecodeResult, generate_plain
+from fledge.models.draft import Eagle3Config
 from fledge.models.draft_folder import load_draft
 from fledge.models.kernels import pack_linears
 from fledge.models.sampling import SamplingParams
 from fledge.models.serving import is_serving_checkpoint, load_exported
-from fledge.models.verifier import Verifier
+from fledge.models.verifier import Verifier, check_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -120,13 +121,39 @@ def load_eagle_drafter(path: str | Path, verifier: Verifier) -> EagleDrafter:
     whose config.json is a ``LlamaForCausalLMEagle3`` or speculators config), in the verifier's dtype and device."""
     path = Path(path)
     if is_serving_checkpoint(path):
+        recorded = (json.loads((path / "config.json").read_text()).get("fledge") or {}).get("verifier_fingerprint")
+        if recorded:
+            check_fingerprint(verifier.path, recorded, f"the draft in {path}")
         draft = load_exported(path, verifier.path)
     else:
-        draft = load_draft(path, verifier.path)
+        draft = load_draft(path, verifier.path)  # refuses a verifier other than the one recorded at training
+    problems = draft_verifier_mismatches(draft.config, verifier)
+    if problems:
+        raise ConfigError(f"the draft in {path} does not fit the verifier {verifier.name}: " + "; ".join(problems),
+                          fix="evaluate the draft with the verifier it was trained for (verifier.name_or_path=...)")
     draft = draft.to(device=verifier.device, dtype=verifier.dtype)
     if verifier.linear_kernel == "onednn":
         pack_linears(draft)  # the draft's steps run the kernel the verifier's do
     return EagleDrafter(draft)
+
+
+def draft_verifier_mismatches(config: Eagle3Config, verifier: Verifier) -> list[str]:
+    """What keeps a draft from reading this verifier, each naming both sides; empty when it fits. The draft's own
+    aux layer ids are the ones the loops capture, so they must exist in this verifier."""
+    text = verifier.model.config
+    text = text.get_text_config() if hasattr(text, "get_text_config") else text
+    problems = []
+    if config.target_hidden_size != int(text.hidden_size):
+        problems.append(f"the draft reads hidden states {config.target_hidden_size} wide, the verifier's are "
+                        f"{int(text.hidden_size)}")
+    if config.vocab_size != int(text.vocab_size):
+        problems.append(f"the draft's vocabulary has {config.vocab_size} tokens, the verifier's {int(text.vocab_size)}")
+    layers = int(text.num_hidden_layers)
+    outside = [i for i in config.aux_layer_ids if not 0 <= i <= layers]
+    if outside:
+        problems.append(f"the draft reads aux layers {list(config.aux_layer_ids)}, the verifier has hidden states "
+                        f"0..{layers} only")
+    return problems
 
 
 def _generator(device: torch.device, seed: int) -> torch.Generator:
@@ -141,7 +168,7 @@ def _run(
     common = dict(max_new_tokens=max_new_tokens, sampling=cfg.sampling(), stop_ids=stop_ids, generator=generator)
     if drafter is None:
         return generate_plain(verifier.model, prompt_ids, **common)
-    aux = verifier.aux_layer_ids if drafter.needs_aux else None
+    aux = drafter.aux_layer_ids if drafter.needs_aux else None  # the draft's own, from its config
     if method == "tree":
         return generate_tree(verifier.model, prompt_ids, drafter, shape=cfg.tree_shape(), aux_layer_ids=aux, **common)
     return generate_chain(verifier.model, prompt_ids, drafter, num_draft_tokens=cfg.num_draft_tokens,
@@ -182,6 +209,8 @@ def evaluate(
         "sets": {},
     }
     named = [(name, d) for name, d in drafters.items() if d is not None]
+    # The capture hooks a round pays for: those of the first drafter that reads the verifier's states.
+    aux_ids = next((d.aux_layer_ids for _, d in named if d.needs_aux), None)
     methods = {name: _method_of(d, cfg) for name, d in named}
     for set_name, set_prompts in sets.items():
         encoded = [(p["id"], encode_prompt(verifier.tokenizer, p)) for p in set_prompts[: cfg.max_prompts]]
@@ -203,7 +232,8 @@ def evaluate(
             for name, drafter in named:
                 runs[name].append(_run(verifier, ids, drafter, methods[name], cfg, stop_ids, cfg.max_new_tokens))
         base = _baseline_summary(plain, hf, greedy)
-        floors = _round_floors(verifier, encoded[0][1], set(methods.values()), cfg) if cfg.round_floor and named else None
+        floors = (_round_floors(verifier, encoded[0][1], set(methods.values()), cfg, aux_ids)
+                  if cfg.round_floor and named else None)
         set_report = {"num_prompts": len(encoded), "baseline": base, "drafters": {}}
         for name, _ in named:
             entry = _drafter_summary(runs[name], plain, hf, [pid for pid, _ in encoded], methods[name], cfg, base,
@@ -231,7 +261,9 @@ def _run_hf(
                        stop_ids=stop_ids, seed=cfg.seed)
 
 
-def _round_floors(verifier: Verifier, prompt_ids: torch.Tensor, methods: set[str], cfg: EvalConfig) -> CostModel | None:
+def _round_floors(
+    verifier: Verifier, prompt_ids: torch.Tensor, methods: set[str], cfg: EvalConfig, aux_ids: list[int] | None
+) -> CostModel | None:
     """v(k), the bare forward's cost over k tokens in plain decoding steps, measured on the first prompt's KV cache
     with the loop's capture hooks: for every k a chain can check, and spread up to the largest tree."""
     ks = set()
@@ -242,7 +274,7 @@ def _round_floors(verifier: Verifier, prompt_ids: torch.Tensor, methods: set[str
         ks |= {1, 2, max(2, top // 4), max(2, top // 2), top}
     if not ks:
         return None
-    costs = measure_verify_cost(verifier.model, prompt_ids, sorted(ks), verifier.aux_layer_ids)
+    costs = measure_verify_cost(verifier.model, prompt_ids, sorted(ks), aux_ids)
     return CostModel(verify_steps=costs, draft_step=0.0)
 
 

@@ -50,7 +50,7 @@ def leviathan_accept(
     if n:
         rows = torch.arange(n)
         p_draft = p[rows, draft_tokens]
-        u = torch.rand(n, generator=generator)
+        u = torch.rand(n, generator=generator, device=p.device)
         # u < p/q  <=>  u * q < p; accepts with probability min(1, p/q) and never divides by zero.
         threshold = p_draft if q is None else p_draft / q[rows, draft_tokens].clamp_min(1e-30)
         rejected = torch.nonzero(u >= threshold)
@@ -86,7 +86,7 @@ def multi_candidate_accept(
     m = candidates.numel()
     if m == 0:
         return -1, int(sample(p, generator))
-    u = torch.rand(m, generator=generator).tolist()
+    u = torch.rand(m, generator=generator, device=p.device).tolist()
     tokens = candidates.tolist()
     q = q.clone() if q is not None else None
     for j, x in enumerate(tokens):

@@ -124,7 +124,7 @@ def run(cfg: TuneJobConfig) -> dict[str, Any]:
     shapes = cfg.shapes()
     prompt_ids = encode_prompt(verifier.tokenizer, prompts[0])
     ks = list(range(1, cfg.n_max + 2)) + [s.total_tokens + 1 for s in shapes]
-    verify_steps = measure_verify_cost(verifier.model, prompt_ids, ks, verifier.aux_layer_ids, cfg.verify_repeats)
+    verify_steps = measure_verify_cost(verifier.model, prompt_ids, ks, drafter.aux_layer_ids, cfg.verify_repeats)
     bare = CostModel(verify_steps=verify_steps, draft_step=entry["cost_ratio"])
     residual = overhead_from_run(entry["verify_cost_in_steps"], cfg.n_max, bare)
     overhead = residual if cfg.fit_round_overhead else 0.0
@@ -133,7 +133,7 @@ def run(cfg: TuneJobConfig) -> dict[str, Any]:
     # 3. c_tree per shape: a whole tree proposal timed, per expansion step, in baseline steps.
     trees = []
     for shape in shapes:
-        seconds = measure_tree_draft_seconds(verifier.model, drafter, prompt_ids, shape, verifier.aux_layer_ids)
+        seconds = measure_tree_draft_seconds(verifier.model, drafter, prompt_ids, shape, drafter.aux_layer_ids)
         trees.append((shape, seconds / shape.depth / step_seconds if step_seconds else 0.0))
 
     options = candidates(entry["n_alpha"], cost, cfg.n_max, trees)

@@ -40,7 +40,7 @@ from fledge.models.serving import (
     read_verifier_config,
     relative_difference,
 )
-from fledge.models.verifier import load_embed_and_head, parse_dtype, verifier_hub_id
+from fledge.models.verifier import load_embed_and_head, parse_dtype, verifier_hub_id, weight_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -326,11 +326,14 @@ def export_draft(
     name = str((card or {}).get("verifier") or verifier_hub_id(verifier_dir))
     tensors = serving_tensors(draft, torch_dtype, ship_embedding)
     validate = _raise_on_errors(verifier_dir)
+    # Which verifier's weights the draft was trained on: `fledge eval` refuses a checkpoint given another one.
+    fingerprint = weight_fingerprint(verifier_dir)
 
     from safetensors.torch import save_file
 
     def write_serving(folder: Path) -> None:
         config = serving_config(cfg, verifier, dtype_name, name, ship_embedding)
+        config["fledge"]["verifier_fingerprint"] = fingerprint
         (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
         (folder / "README.md").write_text(model_card(cfg, name, verifier, dtype_name, card, ship_embedding))
@@ -348,6 +351,7 @@ def export_draft(
 
         def write_speculators(folder: Path) -> None:
             config = speculators_config(cfg, verifier, dtype_name, name, tokens)
+            config["fledge"]["verifier_fingerprint"] = fingerprint
             (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
             save_file(renamed, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
             (folder / "README.md").write_text(model_card(cfg, name, verifier, dtype_name, card))

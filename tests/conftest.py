@@ -89,7 +89,8 @@ def write_random_draft_run(run_dir: Path, verifier_dir: Path, seed: int):
                                         aux_layer_ids=verifier.aux_layer_ids)
     draft = Eagle3Draft(config, seed=seed)
     draft.load_verifier_embedding(verifier.model.get_input_embeddings().weight.detach())
-    write_final_draft(run_dir, draft.trainable_state_dict(), config, {"verifier": {"path": str(verifier_dir)}})
+    meta = {"verifier": {"path": str(verifier_dir), "fingerprint": verifier.fingerprint}}  # as `fledge train` records
+    write_final_draft(run_dir, draft.trainable_state_dict(), config, meta)
     return verifier, draft
 
 

@@ -405,3 +405,55 @@ def test_load_eagle_drafter_from_training_and_serving_checkpoints(tiny_verifier_
         loaded = load_eagle_drafter(folder, verifier)
         loaded.start(prompt, aux)
         torch.testing.assert_close(loaded.root_logits(), expected.root_logits())
+
+
+def test_the_draft_decides_which_verifier_states_it_reads(tiny_verifier_dir):
+    """A draft trained on other layers than the verifier's defaults is fed the layers its own config names."""
+    verifier = load_verifier(VerifierConfig(name_or_path=str(tiny_verifier_dir), dtype="float32"))
+    ids = [1, 3, 5]
+    assert ids != verifier.aux_layer_ids
+    config = Eagle3Config.from_verifier(verifier.model.config, draft_vocab_size=512, aux_layer_ids=ids)
+    draft = Eagle3Draft(config, seed=0)
+    draft.load_verifier_embedding(verifier.model.get_input_embeddings().weight.detach())
+    seen = []
+
+    class Spy(EagleDrafter):
+        def start(self, context, aux):
+            seen.append(aux)
+            super().start(context, aux)
+
+    prompt = {"id": "a", "turns": ["Say hello to the world."]}
+    cfg = EvalConfig(max_new_tokens=4, warmup_tokens=0, hf_baseline=False, round_floor=False, out_dir=None)
+    evaluate(verifier, [prompt], {"eagle": Spy(draft)}, cfg)
+    from fledge.eval.runner import encode_prompt
+
+    ids_in = encode_prompt(verifier.tokenizer, prompt)[:-1].view(1, -1)
+    states = verifier.model(input_ids=ids_in, output_hidden_states=True).hidden_states
+    expected = torch.cat([states[i][0] for i in ids], dim=-1)
+    torch.testing.assert_close(seen[0], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_draft_for_another_verifier_is_refused_naming_both_sides(tiny_verifier_dir, tmp_path, smollm_tokenizer):
+    from fledge.core.errors import ConfigError, MismatchError
+    from fledge.eval.runner import draft_verifier_mismatches, load_eagle_drafter
+    from fledge.export.write import export_draft
+
+    from conftest import make_tiny_verifier
+
+    verifier, draft = write_random_draft_run(tmp_path / "run", tiny_verifier_dir, seed=3)
+    export_draft(draft, tiny_verifier_dir, tmp_path / "serving", dtype="float32")
+    # Same shapes, other weights: the fingerprint recorded at training (run) or export (serving) tells them apart.
+    other = load_verifier(VerifierConfig(name_or_path=str(make_tiny_verifier(tmp_path, "llama", smollm_tokenizer,
+                                                                             seed=9)), dtype="float32"))
+    for folder in (tmp_path / "run", tmp_path / "serving"):
+        with pytest.raises(MismatchError, match="weight fingerprint"):
+            load_eagle_drafter(folder, other)
+    # Other shapes: each problem names the draft's side and the verifier's.
+    wide = Eagle3Config.from_verifier(verifier.model.config, draft_vocab_size=64, aux_layer_ids=[1, 2, 40])
+    wide.target_hidden_size, wide.vocab_size = 64, 1000
+    problems = draft_verifier_mismatches(wide, verifier)
+    assert len(problems) == 3
+    assert "64 wide, the verifier's are 32" in problems[0] and f"1000 tokens, the verifier's {len(smollm_tokenizer)}" \
+        in problems[1] and "0..8 only" in problems[2]
+    assert draft_verifier_mismatches(draft.config, verifier) == []
+    assert issubclass(MismatchError, ValueError) and issubclass(ConfigError, ValueError)
