@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,14 @@ from fledge.core.errors import ConfigError
 from fledge.core.sweep import is_sweep_dir, sweep_jobs
 from fledge.data.sources import load_prompts
 from fledge.eval.drafters import EagleDrafter, HybridDrafter, PromptLookupDrafter
-from fledge.eval.runner import EvalConfig, evaluate, load_eagle_drafter, report_table, stable_figures
+from fledge.eval.runner import (
+    EvalConfig,
+    evaluate,
+    load_eagle_drafter,
+    mismatch_lines,
+    report_table,
+    stable_figures,
+)
 from fledge.models.verifier import VerifierConfig, load_verifier
 
 log = logging.getLogger(__name__)
@@ -101,6 +109,12 @@ def run(cfg: EvalJobConfig) -> dict[str, Any]:
         (Path(cfg.eval.out_dir) / "report.json").write_text(json.dumps(report, indent=2))
     _log_wandb(cfg, report)
     print("\n".join(["", *report_table(report), "", *stable_figures(report)]))
+    mismatches = mismatch_lines(report)
+    if mismatches:
+        # Not a numerical tie: the loop emitted a token that plain greedy decoding would not have.
+        print("\n".join(["", "fledge eval: greedy outputs differ from plain decoding beyond rounding (report.json: "
+                               "greedy_mismatches):", *mismatches]), file=sys.stderr, flush=True)
+        raise SystemExit(1)
     return report
 
 
@@ -119,7 +133,13 @@ def _log_wandb(cfg: EvalJobConfig, report: dict[str, Any]) -> None:
                     continue
                 prefix = f"{set_name}/{name}"
                 run.summary.update({f"{prefix}/tau": d["tau"], f"{prefix}/speedup": d["speedup"],
-                                    f"{prefix}/predicted_speedup": d["predicted_speedup"]})
+                                    f"{prefix}/predicted_speedup": d["predicted_speedup"],
+                                    f"{prefix}/tau_interval": d["tau_interval"],
+                                    f"{prefix}/speedup_interval": d["speedup_interval"]})
+                if "greedy_match_rate" in d:
+                    run.summary.update({f"{prefix}/greedy_exact": d["greedy_exact"],
+                                        f"{prefix}/greedy_ties": d["greedy_tie_count"],
+                                        f"{prefix}/greedy_mismatches": d["greedy_mismatch_count"]})
                 table = wandb.Table(columns=["depth", "n_alpha", "cumulative_acceptance"])
                 for depth, (a, c) in enumerate(zip(d["n_alpha"], d["cumulative_acceptance"]), start=1):
                     table.add_data(depth, a, c)

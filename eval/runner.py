@@ -32,6 +32,7 @@ from fledge.eval.metrics import (
     summarize,
 )
 from fledge.eval.proposals import Drafter, TreeShape
+from fledge.eval.ties import DEFAULT_TIE_TOLERANCE, TieJudge
 from fledge.eval.tree import generate_tree
 from fledge.eval.tune import CostModel, measure_verify_cost
 from fledge.eval.verifier_state import ROUND_PARTS, DecodeResult, generate_plain
@@ -80,6 +81,10 @@ class EvalConfig:
     hf_baseline: bool = True
     """Also time Hugging Face ``generate`` on every prompt beside fledge's plain loop; speed-ups then divide by the
     faster of the two, prompt by prompt."""
+    tie_tolerance: float = DEFAULT_TIE_TOLERANCE
+    """Greedy only: where a drafter's output parts from plain greedy decoding, the two competing tokens' float32
+    logit gap counts as a numerical tie when it is within 2δ (δ: the rounding the evaluation's dtype measured at that
+    position) plus this many eps·|logit| (``eval/ties.py``); beyond it, a mismatch, and ``fledge eval`` fails."""
     round_floor: bool = True
     """Measure v(k), the verifier's bare forward over the k tokens a round checks, and report how much a round
     costs beyond v(k) and its drafting (``round_overhead``)."""
@@ -208,6 +213,7 @@ def evaluate(
         "stop_ids": sorted(stop_ids),
         "sets": {},
     }
+    judge = TieJudge(verifier.model, cfg.tie_tolerance) if greedy else None
     named = [(name, d) for name, d in drafters.items() if d is not None]
     # The capture hooks a round pays for: those of the first drafter that reads the verifier's states.
     aux_ids = next((d.aux_layer_ids for _, d in named if d.needs_aux), None)
@@ -237,7 +243,9 @@ def evaluate(
         set_report = {"num_prompts": len(encoded), "baseline": base, "drafters": {}}
         for name, _ in named:
             entry = _drafter_summary(runs[name], plain, hf, [pid for pid, _ in encoded], methods[name], cfg, base,
-                                     greedy, floors)
+                                     floors)
+            if judge is not None:
+                entry.update(_greedy_outcome(judge, encoded, runs[name], plain))
             set_report["drafters"][name] = entry
             log.info("%s / %s: %s", set_name, name, _one_line(entry))
             print(f"[eval] {set_name} / {name}: {_one_line(entry)}", flush=True)
@@ -245,6 +253,8 @@ def evaluate(
             if drafter is None:
                 set_report["drafters"][name] = {"method": "plain", **base}
         report["sets"][set_name] = set_report
+    if judge is not None:
+        judge.close()
     if cfg.out_dir is not None:
         out = Path(cfg.out_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -316,7 +326,7 @@ def _baseline_summary(plain: list[DecodeResult], hf: list[DecodeResult], greedy:
 
 def _drafter_summary(
     results: list[DecodeResult], plain: list[DecodeResult], hf: list[DecodeResult], prompt_ids: list, method: str,
-    cfg: EvalConfig, base: dict, greedy: bool, floors: CostModel | None,
+    cfg: EvalConfig, base: dict, floors: CostModel | None,
 ) -> dict:
     num_draft = cfg.tree_depth if method == "tree" else cfg.num_draft_tokens
     trace = AcceptanceTrace(
@@ -377,36 +387,55 @@ def _drafter_summary(
                                 "floor_steps": floor_steps,
                                 "v": {str(k): v for k, v in sorted(floors.verify_steps.items())}}
         entry["round_overhead"] = entry["round_cost_in_steps"] / floor_steps - 1.0 if floor_steps else math.nan
-    if greedy:
-        mismatched = [
-            {"id": pid, "first_difference": _first_difference(r.tokens, b.tokens)}
-            for pid, r, b in zip(prompt_ids, results, plain)
-            if r.tokens != b.tokens
-        ]
-        entry["greedy_match_rate"] = 1.0 - len(mismatched) / len(results)
-        # Where outputs part: in bf16 a multi-token verification rounds differently from one-token steps, and a
-        # near-tie can flip; an early first difference in fp32 would instead point at a bug.
-        entry["greedy_mismatches"] = mismatched
     return entry
 
 
-def _first_difference(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+def _greedy_outcome(
+    judge: TieJudge, encoded: list[tuple[Any, torch.Tensor]], results: list[DecodeResult], plain: list[DecodeResult]
+) -> dict:
+    """Greedy losslessness: prompts whose output equals plain greedy decoding token for token, and at each other
+    prompt's first difference, a numerical tie or a mismatch (``eval/ties.py``)."""
+    divergences = [judge.judge(pid, ids, b.tokens, r.tokens)
+                   for (pid, ids), r, b in zip(encoded, results, plain) if r.tokens != b.tokens]
+    ties = [d.to_json() for d in divergences if d.kind == "tie"]
+    mismatches = [d.to_json() for d in divergences if d.kind == "mismatch"]
+    return {
+        "greedy_match_rate": 1.0 - len(divergences) / len(results),
+        "greedy_exact": len(results) - len(divergences),
+        "greedy_tie_count": len(ties),
+        "greedy_mismatch_count": len(mismatches),
+        "greedy_ties": ties,
+        "greedy_mismatches": mismatches,
+    }
+
+
+def mismatch_lines(report: dict[str, Any]) -> list[str]:
+    """One line per greedy mismatch in the report (empty when every difference was a tie or there was none)."""
+    return [
+        f"{set_name}/{name} prompt {m['id']}: token {m['position']} is {m['loop_token']}, plain greedy decoding "
+        f"gave {m['plain_token']} (float32 gap {m['gap']}, threshold {m['threshold']})"
+        for set_name, entry in report.get("sets", {}).items()
+        for name, d in entry.get("drafters", {}).items()
+        for m in d.get("greedy_mismatches", [])
+    ]
 
 
 def report_table(report: dict[str, Any]) -> list[str]:
     """One row per (prompt set, drafter): τ, n-α, and the median per-prompt speed-up over plain decoding with its
     95 % interval over prompts."""
-    rows = ["prompt set  drafter             τ      n-α (depth 1..)                 speed-up [95% interval]  greedy match"]
+    rows = ["prompt set  drafter             τ      n-α (depth 1..)                 speed-up [95% interval]  greedy exact"]
     for set_name, entry in report.get("sets", {}).items():
         for name, d in entry.get("drafters", {}).items():
             alphas = " ".join("  - " if a is None else f"{a:.2f}" for a in (d.get("n_alpha") or [])[:6])
             match = d.get("greedy_match_rate")
+            ties, wrong = d.get("greedy_tie_count", 0), d.get("greedy_mismatch_count", 0)
+            outcome = "" if match is None else f"{match:.0%}" + (f" +{ties} ties" if ties else "") + (
+                f" {wrong} MISMATCHED" if wrong else "")
             lo, hi = d.get("speedup_interval") or (math.nan, math.nan)
             speedup = f"{d.get('speedup', math.nan):5.2f}x [{lo:.2f}, {hi:.2f}]" if d.get("method") != "plain" else ""
             rows.append(
                 f"{set_name:<11} {name:<18} {d.get('tau', math.nan):5.2f}  {alphas:<31} "
-                f"{speedup:<24} {'' if match is None else f'{match:.0%}'}"
+                f"{speedup:<24} {outcome}"
             )
     return rows
 
@@ -422,7 +451,8 @@ def _one_line(entry: dict) -> str:
         text += (f" (floor: v(k) {floor['verify_steps']:.2f} at mean k {floor['mean_k']:.1f}, + drafting: overhead "
                  f"{entry['round_overhead']:+.0%})")
     if "greedy_match_rate" in entry:
-        text += f", greedy match {entry['greedy_match_rate']:.0%}"
+        text += (f", greedy exact {entry['greedy_match_rate']:.0%} ({entry['greedy_tie_count']} ties, "
+                 f"{entry['greedy_mismatch_count']} mismatches)")
     return text
 
 

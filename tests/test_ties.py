@@ -1,0 +1,83 @@
+"""Greedy losslessness that survives bf16: a first difference is a numerical tie or a mismatch, and a mismatch fails."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fledge.eval import runner
+from fledge.eval.drafters import PromptLookupDrafter
+from fledge.eval.exactness import tiny_verifier
+from fledge.eval.runner import EvalConfig, evaluate, mismatch_lines, report_table
+from fledge.eval.ties import TieJudge
+from fledge.eval.verifier_state import generate_plain
+from fledge.models.verifier import VerifierConfig, load_verifier
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+PROMPT = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
+
+
+@pytest.fixture
+def model():
+    return tiny_verifier("llama", vocab_size=48, num_layers=2, peak=3.0, seed=1)
+
+
+def test_a_near_equal_runner_up_is_a_tie_and_a_clear_loser_a_mismatch(model):
+    plain = generate_plain(model, PROMPT, max_new_tokens=6).tokens
+    position, winner = 3, plain[3]
+    prefix = torch.cat([PROMPT, torch.tensor(plain[:position])])
+    logits = model(input_ids=prefix.view(1, -1)).logits[0, -1]
+    loser = int(torch.argmin(logits))
+    twin = (winner + 1) % 48 if (winner + 1) % 48 != loser else (winner + 2) % 48
+    with torch.no_grad():  # a token whose output row is the winner's, one part in 1e9 apart: a tie in any dtype
+        model.lm_head.weight[twin] = model.lm_head.weight[winner] * (1 + 1e-9)
+    judge = TieJudge(model)
+    tie = judge.judge("p", PROMPT, plain, plain[:position] + [twin, 0])
+    assert (tie.kind, tie.position, tie.plain_token, tie.loop_token) == ("tie", position, winner, twin)
+    assert tie.gap <= tie.threshold and tie.rounding == 0.0  # float32: the reference is the model itself
+    wrong = judge.judge("p", PROMPT, plain, plain[:position] + [loser])
+    assert wrong.kind == "mismatch" and wrong.gap > 1.0 and wrong.gap > wrong.threshold
+    # Equal tokens, but one output ended early: the stop and length rules are exact, so this is a bug too.
+    short = judge.judge("p", PROMPT, plain, plain[:2])
+    assert (short.kind, short.position, short.loop_token) == ("mismatch", 2, None)
+
+
+def test_in_bf16_the_rounding_is_measured_against_a_float32_copy(model):
+    plain = generate_plain(model, PROMPT, max_new_tokens=4).tokens
+    bf16 = model.to(torch.bfloat16)
+    judge = TieJudge(bf16)
+    d = judge.judge("p", PROMPT, plain, plain[:1] + [(plain[1] + 1) % 48])
+    assert d.rounding > 0.0 and d.threshold >= 2 * d.rounding
+    assert next(bf16.parameters()).dtype == torch.bfloat16  # the verifier itself is untouched
+    assert next(judge.reference.parameters()).dtype == torch.float32
+    judge.close()
+    assert judge._reference is None
+
+
+def test_evaluate_reports_ties_and_mismatches_and_the_job_fails_on_a_mismatch(tiny_verifier_dir, monkeypatch):
+    verifier = load_verifier(VerifierConfig(name_or_path=str(tiny_verifier_dir), dtype="float32"))
+    real_chain = runner.generate_chain
+
+    def broken_chain(*args, **kwargs):  # a loop that is not exact: its third token is off by one
+        result = real_chain(*args, **kwargs)
+        result.tokens[2] = (result.tokens[2] + 1) % len(verifier.tokenizer)
+        return result
+
+    monkeypatch.setattr(runner, "generate_chain", broken_chain)
+    prompts = [{"id": "a", "turns": ["Say hello."]}, {"id": "b", "turns": ["Count to three."]}]
+    cfg = EvalConfig(max_new_tokens=6, warmup_tokens=0, hf_baseline=False, round_floor=False, out_dir=None)
+    report = evaluate(verifier, {"toy": prompts}, {"lookup": PromptLookupDrafter()}, cfg)
+    entry = report["sets"]["toy"]["drafters"]["lookup"]
+    assert (entry["greedy_exact"], entry["greedy_tie_count"], entry["greedy_mismatch_count"]) == (0, 0, 2)
+    assert entry["greedy_mismatches"][0]["position"] == 2
+    assert len(mismatch_lines(report)) == 2 and "plain greedy decoding gave" in mismatch_lines(report)[0]
+    assert "2 MISMATCHED" in report_table(report)[1]
+
+    from fledge.eval import eval_job
+
+    monkeypatch.setattr(eval_job, "evaluate", lambda *a, **k: report)
+    monkeypatch.setattr(eval_job, "load_verifier", lambda *a, **k: verifier)
+    cfg_job = eval_job.EvalJobConfig(draft=None, wandb_mode="disabled", eval=EvalConfig(out_dir=None))
+    with pytest.raises(SystemExit) as exc:
+        eval_job.run(cfg_job)
+    assert exc.value.code == 1
