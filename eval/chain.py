@@ -16,6 +16,16 @@ from fledge.eval.verifier_state import DecodeResult, RoundTimer, VerifierState, 
 from fledge.models.sampling import SamplingParams, target_probs
 
 
+def topk_ranks(predicted: torch.Tensor, top_ids: torch.Tensor, accepted: int) -> list[tuple[int, int]]:
+    """(depth, rank of the verifier's token among the draft's top-k) for each depth the round reached: depths
+    1..accepted+1, as far as there were drafts. A rank of k means "not among the top k"."""
+    reached = min(accepted + 1, top_ids.shape[0])
+    hits = top_ids[:reached] == predicted[:reached, None]
+    k = top_ids.shape[1]
+    ranks = torch.where(hits.any(dim=1), hits.int().argmax(dim=1), torch.full((reached,), k, device=hits.device))
+    return list(enumerate(ranks.tolist(), start=1))
+
+
 @torch.inference_mode()
 def generate_chain(
     model: nn.Module,
@@ -56,6 +66,9 @@ def generate_chain(
                 predicted = torch.argmax(logits, dim=-1)
                 accepted = int(torch.cumprod(predicted[:n] == draft_tokens, dim=0).sum())
                 next_token = int(predicted[accepted])
+                if draft.top_ids is not None:
+                    result.topk_ranks += topk_ranks(predicted, draft.top_ids.to(device), accepted)
+                    result.topk_width = int(draft.top_ids.shape[1])
             else:
                 q = None if draft.q is None else draft.q.to(device)
                 accepted, next_token = leviathan_accept(target_probs(logits, sampling), draft_tokens, q, generator)

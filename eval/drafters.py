@@ -122,6 +122,8 @@ class EagleDrafter:
         """The verifier states this draft was trained on: the draft, not the verifier's defaults, decides them."""
         self.min_prob = min_prob
         """Chains stop before a position the draft is less sure of than this (``propose_chain_with``)."""
+        self.rank_top_k = 0
+        """Greedy chains also record the draft's top-k tokens per position (``ChainDraft.top_ids``) when > 0."""
         weight = draft.fc.weight
         self.device = weight.device
         self.target_vocab_size = int(draft.config.vocab_size)
@@ -203,7 +205,7 @@ class EagleDrafter:
 
     def propose_chain(self, n: int, sampling: SamplingParams, generator: torch.Generator | None) -> ChainDraft:
         with torch.inference_mode():
-            return propose_chain_with(self, n, sampling, generator, self.min_prob)
+            return propose_chain_with(self, n, sampling, generator, self.min_prob, self.rank_top_k)
 
     def propose_tree(self, shape: TreeShape, sampling: SamplingParams, generator: torch.Generator | None) -> DraftTree:
         with torch.inference_mode():

@@ -80,6 +80,18 @@ def tau_by_length(trace: AcceptanceTrace) -> list[float]:
     return [sum(min(a, n) + 1 for a in trace.accepted) / rounds for n in range(trace.num_draft + 1)]
 
 
+def topk_acceptance(ranks: Sequence[tuple[int, int]], num_draft: int, k: int) -> list[list[float] | None]:
+    """[depth - 1][w - 1] = P(the verifier's token is among the draft's top w at that depth | the round reached it),
+    from (depth, rank) pairs of greedy chain rounds (rank k: not in the top k). Column 1 is the chain's n-α; a
+    column w is what a tree that tried the w best children at every node of the accepted path would accept. None
+    for a depth no round reached."""
+    table: list[list[float] | None] = []
+    for depth in range(1, num_draft + 1):
+        at = [r for d, r in ranks if d == depth]
+        table.append([sum(r < w for r in at) / len(at) for w in range(1, k + 1)] if at else None)
+    return table
+
+
 def acceptance_rate(trace: AcceptanceTrace) -> float:
     """Pooled per-token α: accepted drafts / drafts decided on."""
     accepted = sum(trace.accepted)

@@ -26,6 +26,9 @@ class ChainDraft:
     """[n] draft tokens in the verifier's vocabulary (n may be smaller than asked, even 0)."""
     q: torch.Tensor | None
     """[n, V] the distributions the tokens were sampled from; None when they were chosen deterministically."""
+    top_ids: torch.Tensor | None = None
+    """[n, K] the draft's K most likely tokens (verifier ids, best first) at each position, when asked for: where the
+    verifier's token ranks there says what a tree of width K would have accepted (``fledge tune``)."""
 
 
 @dataclass(frozen=True)
@@ -133,7 +136,7 @@ def _to_target(stepper: DraftStepper, draft_ids: torch.Tensor) -> torch.Tensor:
 
 def propose_chain_with(
     stepper: DraftStepper, n: int, sampling: SamplingParams, generator: torch.Generator | None,
-    min_prob: float = 0.0,
+    min_prob: float = 0.0, rank_top_k: int = 0,
 ) -> ChainDraft:
     """Up to n drafts, each fed back as the input of the next: argmax when greedy, else sampled from q (temperature).
 
@@ -146,6 +149,7 @@ def propose_chain_with(
     logits = stepper.root_logits()
     draft_ids: list[torch.Tensor] = []
     qs: list[torch.Tensor] = []
+    tops: list[torch.Tensor] = []
     slot = -1
     temperature = 1.0 if sampling.greedy else sampling.temperature
     for i in range(n):
@@ -155,6 +159,8 @@ def propose_chain_with(
         q = draft_probs(logits, temperature) if (min_prob > 0 or not sampling.greedy) else None
         if min_prob > 0 and float(q.max()) < min_prob:
             break
+        if rank_top_k:
+            tops.append(torch.topk(logits, min(rank_top_k, logits.shape[-1])).indices)
         if sampling.greedy:
             draft_ids.append(torch.argmax(logits).view(1))
         else:
@@ -171,7 +177,8 @@ def propose_chain_with(
         else:
             q_target = q_draft.new_zeros(len(qs), stepper.target_vocab_size)
             q_target.index_copy_(1, stepper.draft_to_target, q_draft)
-    return ChainDraft(tokens=tokens, q=q_target)
+    top_ids = _to_target(stepper, torch.stack(tops)) if tops else None
+    return ChainDraft(tokens=tokens, q=q_target, top_ids=top_ids)
 
 
 def _children(

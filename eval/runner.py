@@ -30,6 +30,7 @@ from fledge.eval.metrics import (
     pooled_tau,
     predicted_speedup,
     summarize,
+    topk_acceptance,
 )
 from fledge.eval.proposals import Drafter, TreeShape
 from fledge.eval.ties import DEFAULT_TIE_TOLERANCE, TieJudge
@@ -387,7 +388,40 @@ def _drafter_summary(
                                 "floor_steps": floor_steps,
                                 "v": {str(k): v for k, v in sorted(floors.verify_steps.items())}}
         entry["round_overhead"] = entry["round_cost_in_steps"] / floor_steps - 1.0 if floor_steps else math.nan
+    if method == "tree":
+        entry.update(_tree_accounting(entry, floors is not None))
+    ranks = [pair for r in results for pair in r.topk_ranks]
+    if ranks:
+        entry["topk_acceptance"] = topk_acceptance(ranks, num_draft, max(r.topk_width for r in results))
     return entry
+
+
+def _tree_accounting(entry: dict, measured_v: bool) -> dict:
+    """What a tree round did, by depth, and its predicted speed-up (the chain formulas do not apply to trees).
+
+    A round's accepted path has one length (``histogram``); ``reached_depth[d-1]`` is the fraction of rounds whose
+    path reached depth d, so E = 1 + Σ_d reached_depth is the tokens per round. The round costs v(k) for the k =
+    nodes + 1 tokens it verified (measured, ``round_floor``; 1 when ``eval.round_floor`` is off) plus its drafting
+    (depth expansion steps, measured): predicted = E / (v(k) + drafting). The measured speed-up falls short of it by
+    the loop's own overhead (acceptance, cache compaction, bookkeeping: ``round_overhead``).
+    """
+    reached = entry["cumulative_acceptance"]
+    expected = 1.0 + sum(reached)
+    verify = entry["round_floor"]["verify_steps"] if measured_v else 1.0
+    cost = verify + entry["draft_cost_in_steps"]
+    return {
+        "expected_tokens_per_call": expected,
+        "predicted_speedup": expected / cost if cost else 0.0,
+        "tree": {
+            "path_length_histogram": entry["histogram"],
+            "reached_depth": reached,
+            "mean_nodes": entry["mean_tree_nodes"],
+            "expansion_cost_in_steps": entry["cost_ratio"],
+            "verify_steps": verify,
+            "verify_measured": measured_v,
+            "predicted_round_cost_in_steps": cost,
+        },
+    }
 
 
 def _greedy_outcome(
@@ -421,9 +455,10 @@ def mismatch_lines(report: dict[str, Any]) -> list[str]:
 
 
 def report_table(report: dict[str, Any]) -> list[str]:
-    """One row per (prompt set, drafter): τ, n-α, and the median per-prompt speed-up over plain decoding with its
-    95 % interval over prompts."""
-    rows = ["prompt set  drafter             τ      n-α (depth 1..)                 speed-up [95% interval]  greedy exact"]
+    """One row per (prompt set, drafter): τ and the median per-prompt speed-up over plain decoding, each with its
+    bootstrap 95 % interval over prompts, n-α, and (greedy) the outputs equal to plain decoding."""
+    rows = ["prompt set  drafter             τ [95% interval]     n-α (depth 1..)                 "
+            "speed-up [95% interval]  greedy exact"]
     for set_name, entry in report.get("sets", {}).items():
         for name, d in entry.get("drafters", {}).items():
             alphas = " ".join("  - " if a is None else f"{a:.2f}" for a in (d.get("n_alpha") or [])[:6])
@@ -433,10 +468,9 @@ def report_table(report: dict[str, Any]) -> list[str]:
                 f" {wrong} MISMATCHED" if wrong else "")
             lo, hi = d.get("speedup_interval") or (math.nan, math.nan)
             speedup = f"{d.get('speedup', math.nan):5.2f}x [{lo:.2f}, {hi:.2f}]" if d.get("method") != "plain" else ""
-            rows.append(
-                f"{set_name:<11} {name:<18} {d.get('tau', math.nan):5.2f}  {alphas:<31} "
-                f"{speedup:<24} {outcome}"
-            )
+            tau_lo, tau_hi = d.get("tau_interval") or (math.nan, math.nan)
+            tau = f"{d.get('tau', math.nan):5.2f}" + (f" [{tau_lo:.2f}, {tau_hi:.2f}]" if "tau_interval" in d else "")
+            rows.append(f"{set_name:<11} {name:<18} {tau:<20} {alphas:<31} {speedup:<24} {outcome}")
     return rows
 
 

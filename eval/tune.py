@@ -9,12 +9,17 @@ verification cost minus v(N_max + 1), but that run's mean also carries whatever 
 only adds it on request (``fit_round_overhead``).
 
     chain N:  E(N) = 1 + Σ_{k=1..N} Π_{i≤k} α_i tokens per round,  cost v(N+1) + o + N·c,  speed-up E / cost
-    tree (depth d, top_k, T tokens): E ≈ E_chain(d),  cost v(T+1) + o + d·c_tree
+    tree (depth d, top_k, T tokens): E = 1 + Σ_{k=1..d} Π_{i≤k} β_i(w),  cost v(T+1) + o + d·c_tree
 
-For trees the chain's α is a conservative proxy: a greedy EAGLE-2 tree contains the draft's greedy path (the top-1
-child of each expanded node) whenever the reranking keeps it, so it accepts at least what that chain accepts; what
-the other branches add is not predicted, and the follow-up measurement shows it. c_tree is the measured time of a
-whole tree proposal divided by its d expansion steps. Plain decoding is always a candidate at exactly 1.0x.
+β_i(w) is the per-depth top-w acceptance measured in the same chain run: the probability that the verifier's token
+at depth i is among the draft's w most likely there, given the round reached depth i (``topk_acceptance``; β_i(1) is
+α_i). A tree accepts a depth when one of the children it tried there is the verifier's token; w is the width the
+tree affords along a path, min(top_k, T / d): EAGLE-2 expands top_k nodes per level but keeps only T nodes over d
+levels. The model measures the children along the draft's greedy path, where the draft is surest; deeper nodes off
+that path accept less, so it errs high for wide trees, and the follow-up measurement shows by how much. Without
+top-k measurements it falls back to E_chain(d), the acceptance of the greedy path the tree contains. c_tree is the
+measured time of a whole tree proposal divided by its d expansion steps. Plain decoding is always a candidate at
+exactly 1.0x.
 """
 
 from __future__ import annotations
@@ -103,15 +108,34 @@ def chain_candidate(n_alpha: Sequence[float | None], num_draft: int, cost: CostM
                      round_cost=round_cost, num_draft_tokens=num_draft)
 
 
+def tree_width(shape: TreeShape) -> int:
+    """Children a tree of this shape tries per depth along a path: min(top_k, total_tokens / depth), at least 1."""
+    return max(1, min(shape.top_k, shape.total_tokens // shape.depth))
+
+
+def tree_expected_tokens(topk: Sequence[Sequence[float] | None], shape: TreeShape) -> float:
+    """E = 1 + Σ_{k=1..d} Π_{i≤k} β_i(w) from the per-depth top-w acceptance (``metrics.topk_acceptance``); a
+    depth not measured counts as never accepted, a width beyond the measured one as the widest measured."""
+    w = tree_width(shape)
+    total, reach = 1.0, 1.0
+    for depth in range(1, shape.depth + 1):
+        row = topk[depth - 1] if depth <= len(topk) else None
+        reach *= float(row[min(w, len(row)) - 1]) if row else 0.0
+        total += reach
+    return total
+
+
 def tree_candidate(
-    n_alpha: Sequence[float | None], shape: TreeShape, cost: CostModel, tree_draft_step: float
+    n_alpha: Sequence[float | None], shape: TreeShape, cost: CostModel, tree_draft_step: float,
+    topk: Sequence[Sequence[float] | None] | None = None,
 ) -> Candidate:
-    """``tree_draft_step``: c_tree, one batched expansion step of this shape in plain decoding steps."""
+    """``tree_draft_step``: c_tree, one batched expansion step of this shape in plain decoding steps; ``topk``: the
+    per-depth top-k acceptance of the same draft (None: the chain's n-α, the tree's greedy path alone)."""
     round_cost = cost.verify(shape.total_tokens + 1) + cost.round_overhead + shape.depth * tree_draft_step
+    expected = tree_expected_tokens(topk, shape) if topk else expected_tokens(n_alpha, shape.depth)
     return Candidate(
         name=f"tree d={shape.depth} k={shape.top_k} T={shape.total_tokens}", method="tree",
-        expected_tokens=expected_tokens(n_alpha, shape.depth), round_cost=round_cost,
-        num_draft_tokens=shape.depth, tree=shape,
+        expected_tokens=expected, round_cost=round_cost, num_draft_tokens=shape.depth, tree=shape,
     )
 
 
@@ -120,11 +144,12 @@ def candidates(
     cost: CostModel,
     max_draft: int,
     trees: Iterable[tuple[TreeShape, float]] = (),
+    topk: Sequence[Sequence[float] | None] | None = None,
 ) -> list[Candidate]:
-    """Plain decoding, chains N = 1..max_draft, then each (tree shape, its c_tree)."""
+    """Plain decoding, chains N = 1..max_draft, then each (tree shape, its c_tree) predicted from ``topk``."""
     out = [PLAIN]
     out += [chain_candidate(n_alpha, n, cost) for n in range(1, max_draft + 1)]
-    out += [tree_candidate(n_alpha, shape, cost, c_tree) for shape, c_tree in trees]
+    out += [tree_candidate(n_alpha, shape, cost, c_tree, topk) for shape, c_tree in trees]
     return out
 
 
@@ -229,5 +254,5 @@ def measure_tree_draft_seconds(
 __all__ = [
     "PLAIN", "Candidate", "CostModel", "candidates", "chain_candidate", "expected_tokens", "format_table",
     "measure_tree_draft_seconds", "measure_verify_cost", "overhead_from_run", "recommend", "relative_costs",
-    "tree_candidate",
+    "tree_candidate", "tree_expected_tokens", "tree_width",
 ]

@@ -30,6 +30,7 @@ from fledge.eval.tune import (
     measure_verify_cost,
     overhead_from_run,
     recommend,
+    tree_width,
 )
 from fledge.models.verifier import VerifierConfig, load_verifier
 
@@ -97,6 +98,17 @@ def _shape_kwargs(choice: Candidate) -> dict[str, Any]:
     return dict(method="chain", num_draft_tokens=choice.num_draft_tokens)
 
 
+def _topk_lines(topk: list | None, shapes: list[TreeShape]) -> list[str]:
+    """β_d(w) at the widths the tree shapes use, one line per width."""
+    if not topk:
+        return []
+    lines = []
+    for w in sorted({tree_width(s) for s in shapes}):
+        cells = " ".join("-" if row is None else f"{row[min(w, len(row)) - 1]:.2f}" for row in topk)
+        lines.append(f"[tune] top-{w} acceptance per depth (trees of width {w}): {cells}")
+    return lines
+
+
 def _candidate_json(c: Candidate) -> dict[str, Any]:
     return {"name": c.name, "method": c.method, "num_draft_tokens": c.num_draft_tokens,
             "tree": dataclasses.asdict(c.tree) if c.tree else None, "expected_tokens": c.expected_tokens,
@@ -114,10 +126,14 @@ def run(cfg: TuneJobConfig) -> dict[str, Any]:
     out = Path(cfg.out_dir) if cfg.out_dir is not None else None
 
     # 1. One chain run at n_max: α per depth, c, and the verification cost per round of the real loop.
+    #    It also records where the verifier's token ranks among the draft's top-k at each depth: the trees' β.
     measure_cfg = _eval_config(cfg, str(out / "measure") if out else None, method="chain",
                                num_draft_tokens=cfg.n_max)
+    drafter.rank_top_k = max(s.top_k for s in cfg.shapes())
     measured = evaluate(verifier, {"tune": prompts}, {"eagle3": drafter}, measure_cfg)["sets"]["tune"]
+    drafter.rank_top_k = 0
     entry = measured["drafters"]["eagle3"]
+    topk = entry.get("topk_acceptance")
     step_seconds = measured["baseline"]["step_seconds"]
 
     # 2. v(k) on a real prompt's KV cache, for every k a candidate verifies.
@@ -136,12 +152,13 @@ def run(cfg: TuneJobConfig) -> dict[str, Any]:
         seconds = measure_tree_draft_seconds(verifier.model, drafter, prompt_ids, shape, drafter.aux_layer_ids)
         trees.append((shape, seconds / shape.depth / step_seconds if step_seconds else 0.0))
 
-    options = candidates(entry["n_alpha"], cost, cfg.n_max, trees)
+    options = candidates(entry["n_alpha"], cost, cfg.n_max, trees, topk)
     choice = recommend(options)
     alphas = " ".join("-" if a is None else f"{a:.2f}" for a in entry["n_alpha"])
     lines = [
         "",
         f"[tune] measured at chain N={cfg.n_max} on {len(prompts)} prompts ({dtype}): n-α {alphas}",
+        *_topk_lines(topk, cfg.shapes()),
         f"[tune] c = {cost.draft_step:.3f} steps per draft token, round overhead o = {overhead:.3f} steps "
         f"(the N={cfg.n_max} run's verification exceeded v({cfg.n_max + 1}) by {residual:.3f}), "
         f"v(k) = " + " ".join(f"{k}:{v:.2f}" for k, v in sorted(verify_steps.items())),
@@ -174,7 +191,7 @@ def run(cfg: TuneJobConfig) -> dict[str, Any]:
         "dtype": dtype,
         "draft": str(cfg.draft),
         "measurement": {"n_max": cfg.n_max, "n_alpha": entry["n_alpha"], "tau": entry["tau"],
-                        "speedup": entry["speedup"], "cost_ratio": entry["cost_ratio"],
+                        "speedup": entry["speedup"], "cost_ratio": entry["cost_ratio"], "topk_acceptance": topk,
                         "verify_cost_in_steps": entry["verify_cost_in_steps"], "step_seconds": step_seconds},
         "cost_model": {"verify_steps": {str(k): v for k, v in sorted(verify_steps.items())},
                        "draft_step": cost.draft_step, "round_overhead": overhead,

@@ -32,6 +32,11 @@ class DecodeResult:
     """Per verifier call: the longest draft path it checked (chain: drafts proposed; tree: tree depth)."""
     tree_nodes: list[int] = field(default_factory=list)
     """Per verifier call: draft tokens sent to the verifier (equals ``proposed`` for chains)."""
+    topk_ranks: list[tuple[int, int]] = field(default_factory=list)
+    """Greedy chains whose drafter recorded its top-k (``ChainDraft.top_ids``): per depth a round reached, (depth,
+    rank of the verifier's token among the draft's top-k there; k when absent)."""
+    topk_width: int = 0
+    """The k of ``topk_ranks``."""
     draft_steps: int = 0
     """Draft forward passes (tree: one per depth), for the draft/verifier cost ratio."""
     draft_seconds: float = 0.0

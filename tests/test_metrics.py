@@ -88,3 +88,11 @@ def test_bootstrap_interval_over_prompts():
     assert pooled_tau([(30, 20), (10, 10)]) == 40 / 30
     lo, hi = bootstrap_interval([(30, 20), (10, 10), (50, 25)], pooled_tau)
     assert 1.0 <= lo <= pooled_tau([(30, 20), (10, 10), (50, 25)]) <= hi <= 2.0
+
+
+def test_topk_acceptance_per_depth():
+    from fledge.eval.metrics import topk_acceptance
+
+    # depth 1 reached 4 times: ranks 0, 0, 1, 3 (3 = not in the top 3); depth 2 twice: 0 and 2; depth 3 never.
+    ranks = [(1, 0), (1, 0), (1, 1), (1, 3), (2, 0), (2, 2)]
+    assert topk_acceptance(ranks, num_draft=3, k=3) == [[0.5, 0.75, 0.75], [0.5, 0.5, 1.0], None]

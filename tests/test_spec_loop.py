@@ -457,3 +457,37 @@ def test_a_draft_for_another_verifier_is_refused_naming_both_sides(tiny_verifier
         in problems[1] and "0..8 only" in problems[2]
     assert draft_verifier_mismatches(draft.config, verifier) == []
     assert issubclass(MismatchError, ValueError) and issubclass(ConfigError, ValueError)
+
+
+def test_topk_ranks_cover_the_depths_a_round_reached():
+    from fledge.eval.chain import topk_ranks
+
+    predicted = torch.tensor([5, 7, 9, 2])  # the verifier's argmax at the root and after drafts 1..3
+    top_ids = torch.tensor([[5, 1], [3, 7], [9, 4]])  # the draft's top-2 at depths 1..3
+    assert topk_ranks(predicted, top_ids, accepted=1) == [(1, 0), (2, 1)]  # depth 2 rejected: rank 1 (2nd best)
+    assert topk_ranks(predicted, top_ids, accepted=3) == [(1, 0), (2, 1), (3, 0)]
+    assert topk_ranks(torch.tensor([8, 7, 9, 2]), top_ids, accepted=0) == [(1, 2)]  # absent: rank k
+
+
+def test_tree_report_accounts_by_depth(tiny_verifier_dir):
+    verifier, draft = write_random_draft_run_in_memory(tiny_verifier_dir)
+    prompts = [{"id": "a", "turns": ["Count: one two three one two three"]}, {"id": "b", "turns": ["Say hi."]}]
+    cfg = EvalConfig(method="tree", tree_depth=3, tree_top_k=3, tree_total_tokens=9, max_new_tokens=10,
+                     warmup_tokens=0, hf_baseline=False, out_dir=None)
+    entry = evaluate(verifier, {"t": prompts}, {"eagle": EagleDrafter(draft)}, cfg)["sets"]["t"]["drafters"]["eagle"]
+    tree = entry["tree"]
+    assert sum(tree["path_length_histogram"]) == entry["rounds"] and len(tree["reached_depth"]) == 3
+    # Tokens per round are 1 + the fraction of rounds reaching each depth: τ, read by depth.
+    assert entry["expected_tokens_per_call"] == pytest.approx(entry["tau"])
+    assert tree["verify_measured"] and tree["verify_steps"] == pytest.approx(entry["round_floor"]["verify_steps"])
+    assert tree["predicted_round_cost_in_steps"] == pytest.approx(tree["verify_steps"] + entry["draft_cost_in_steps"])
+    assert entry["predicted_speedup"] == pytest.approx(entry["tau"] / tree["predicted_round_cost_in_steps"])
+
+
+def write_random_draft_run_in_memory(verifier_dir):
+    verifier = load_verifier(VerifierConfig(name_or_path=str(verifier_dir), dtype="float32"))
+    config = Eagle3Config.from_verifier(verifier.model.config, draft_vocab_size=512,
+                                        aux_layer_ids=verifier.aux_layer_ids)
+    draft = Eagle3Draft(config, seed=0)
+    draft.load_verifier_embedding(verifier.model.get_input_embeddings().weight.detach())
+    return verifier, draft

@@ -19,6 +19,8 @@ from fledge.eval.tune import (
     recommend,
     relative_costs,
     tree_candidate,
+    tree_expected_tokens,
+    tree_width,
 )
 
 from conftest import write_random_draft_run
@@ -136,3 +138,29 @@ def test_tune_command_end_to_end(tiny_verifier_dir, tmp_path, capsys):
     assert check["shape"] != "plain"
     out = capsys.readouterr().out
     assert "[tune] recommended:" in out and "predicted" in out and "measured" in out
+    # The trees' acceptance comes from the same run's per-depth top-k ranks; top-1 is the chain's n-α.
+    topk = m["topk_acceptance"]
+    assert len(topk) == 3 and "top-1 acceptance per depth" in out
+    for row, alpha in zip(topk, m["n_alpha"]):
+        assert (row is None) == (alpha is None)
+        if row is not None:
+            assert row[0] == pytest.approx(alpha) and row == sorted(row)
+    tree = next(c for c in saved["candidates"] if c["name"] == "tree d=2 k=2 T=3")
+    assert tree["expected_tokens"] == pytest.approx(tree_expected_tokens(topk, TreeShape(2, 2, 3)))
+
+
+def test_tree_acceptance_from_per_depth_top_k():
+    # β_d(w): depth 1 accepts 0.5 at width 1 and 0.8 at width 2; depth 2 0.4 / 0.6; depth 3 never reached.
+    topk = [[0.5, 0.8], [0.4, 0.6], None]
+    assert tree_width(TreeShape(depth=2, top_k=2, total_tokens=4)) == 2
+    assert tree_width(TreeShape(depth=4, top_k=8, total_tokens=8)) == 2  # T/d nodes per level bound the width
+    assert tree_width(TreeShape(depth=6, top_k=1, total_tokens=6)) == 1
+    wide = TreeShape(depth=2, top_k=2, total_tokens=4)
+    assert tree_expected_tokens(topk, wide) == pytest.approx(1 + 0.8 + 0.8 * 0.6)
+    # Width 1 is the greedy chain: the same E as n-α gives.
+    assert tree_expected_tokens(topk, TreeShape(depth=3, top_k=1, total_tokens=3)) == pytest.approx(
+        expected_tokens([0.5, 0.4, None], 3))
+    # Wider than measured: the widest measured column.
+    assert tree_expected_tokens(topk, TreeShape(depth=1, top_k=8, total_tokens=8)) == pytest.approx(1.8)
+    with_topk = tree_candidate(N_ALPHA, wide, CPU_LIKE, tree_draft_step=0.3, topk=topk)
+    assert with_topk.expected_tokens == pytest.approx(2.28) and with_topk.round_cost == pytest.approx(2.3 + 0.2 + 0.6)
