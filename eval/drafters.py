@@ -29,6 +29,9 @@ class PromptLookupDrafter:
         self._buffer = torch.empty(0, dtype=torch.long)
         self._length = 0
 
+    def fresh(self) -> PromptLookupDrafter:
+        return PromptLookupDrafter(self.max_ngram, self.min_ngram)
+
     def start(self, context: torch.Tensor, aux: torch.Tensor | None) -> None:
         self._buffer = torch.empty(max(1024, 2 * context.numel()), dtype=torch.long)
         self._length = 0
@@ -78,7 +81,13 @@ class RandomDrafter:
         self.device = torch.device(device)
         # Its own generator, on the device its logits live on (a CUDA generator cannot fill a CPU tensor).
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._seed = seed
         self._slots = 0
+
+    def fresh(self) -> RandomDrafter:
+        """Another instance with its own seed (the next one), for another row of a batch."""
+        self._seed += 1
+        return RandomDrafter(self.target_vocab_size, self._seed, self.sharpness, self.device)
 
     def start(self, context: torch.Tensor, aux: torch.Tensor | None) -> None:
         self._slots = 0
@@ -136,6 +145,12 @@ class EagleDrafter:
         self.committed = 0
         self.last_hidden: torch.Tensor | None = None
         self._reset_slots()
+
+    def fresh(self) -> EagleDrafter:
+        """A drafter over the same draft weights with its own cache and state, for another row of a batch."""
+        other = EagleDrafter(self.draft, self.min_prob)
+        other.rank_top_k = self.rank_top_k
+        return other
 
     def _reset_slots(self) -> None:
         self.slot_hidden: list[torch.Tensor] = []
@@ -236,6 +251,9 @@ class HybridDrafter:
         self.target_vocab_size = eagle.target_vocab_size
         self.used_lookup = 0
         """Rounds whose proposal came from prompt lookup (chains) or carried a lookup branch (trees)."""
+
+    def fresh(self) -> HybridDrafter:
+        return HybridDrafter(self.eagle.fresh(), self.lookup.fresh())
 
     def start(self, context: torch.Tensor, aux: torch.Tensor | None) -> None:
         self.lookup.start(context, aux)

@@ -19,6 +19,7 @@ import torch
 from fledge.core.errors import ConfigError
 from fledge.core.sweep import is_sweep_dir, sweep_jobs
 from fledge.data.sources import load_prompts
+from fledge.eval.batch_eval import batch_figures, batch_table
 from fledge.eval.drafters import EagleDrafter, HybridDrafter, PromptLookupDrafter
 from fledge.eval.runner import (
     EvalConfig,
@@ -108,7 +109,9 @@ def run(cfg: EvalJobConfig) -> dict[str, Any]:
     if cfg.eval.out_dir is not None:
         (Path(cfg.eval.out_dir) / "report.json").write_text(json.dumps(report, indent=2))
     _log_wandb(cfg, report)
-    print("\n".join(["", *report_table(report), "", *stable_figures(report)]))
+    batch = batch_table(report)
+    print("\n".join(["", *report_table(report), *(["", *batch] if batch else []), "", *stable_figures(report),
+                     *batch_figures(report)]))
     mismatches = mismatch_lines(report)
     if mismatches:
         # Not a numerical tie: the loop emitted a token that plain greedy decoding would not have.

@@ -19,6 +19,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from fledge.eval.batch import generate_batch
 from fledge.eval.chain import generate_chain
 from fledge.eval.proposals import Drafter, TreeShape
 from fledge.eval.tree import generate_tree
@@ -123,6 +124,7 @@ def exactness_check(
     aux_layer_ids: list[int] | None = None,
     significance: float = 1e-3,
     seed: int = 0,
+    batch_size: int = 1,
 ) -> ExactnessReport:
     """Run the real ``method`` loop ``n_runs`` times from ``prompt_ids`` and test its first ``positions`` tokens.
 
@@ -142,21 +144,29 @@ def exactness_check(
     max_new_tokens = positions
     counts = torch.zeros([vocab] * positions, dtype=torch.long)
     accepted = calls = 0
-    for _ in range(n_runs):
-        drafter = drafter_factory()
-        if method == "chain":
-            result = generate_chain(
-                verifier, prompt_ids, drafter, num_draft_tokens=num_draft_tokens, max_new_tokens=max_new_tokens,
-                sampling=sampling, aux_layer_ids=aux_layer_ids, generator=generator,
+    for first in range(0, n_runs, max(batch_size, 1)):
+        rows = min(max(batch_size, 1), n_runs - first)
+        if batch_size > 1:
+            # The runs as rows of batches (eval/batch.py): each row must be distributed as the verifier on its own.
+            results, _ = generate_batch(
+                verifier, [prompt_ids] * rows, [drafter_factory() for _ in range(rows)], method=method,
+                num_draft_tokens=num_draft_tokens, shape=tree_shape, max_new_tokens=max_new_tokens, sampling=sampling,
+                aux_layer_ids=aux_layer_ids, generator=generator,
             )
+        elif method == "chain":
+            results = [generate_chain(
+                verifier, prompt_ids, drafter_factory(), num_draft_tokens=num_draft_tokens,
+                max_new_tokens=max_new_tokens, sampling=sampling, aux_layer_ids=aux_layer_ids, generator=generator,
+            )]
         else:
-            result = generate_tree(
-                verifier, prompt_ids, drafter, shape=tree_shape, max_new_tokens=max_new_tokens,
+            results = [generate_tree(
+                verifier, prompt_ids, drafter_factory(), shape=tree_shape, max_new_tokens=max_new_tokens,
                 sampling=sampling, aux_layer_ids=aux_layer_ids, generator=generator,
-            )
-        counts[tuple(result.tokens)] += 1
-        accepted += sum(result.accepted)
-        calls += result.verifier_calls
+            )]
+        for result in results:
+            counts[tuple(result.tokens)] += 1
+            accepted += sum(result.accepted)
+            calls += result.verifier_calls
 
     names_and_axes: list[tuple[str, tuple[int, ...]]] = [(f"position {j + 1}", (j,)) for j in range(positions)]
     if positions >= 2:

@@ -42,6 +42,9 @@ class ExactnessJobConfig:
     significance: float = 1e-3
     """Probability that the whole check fails a correct loop."""
     seed: int = 0
+    batch_size: int = 1
+    """Runs decoded together as the rows of one batch (``eval/batch.py``); > 1 checks the batched loops, whose
+    every row must be distributed as the verifier."""
     device: str = "cpu"
     """Where the loops run: ``cpu``, ``cuda``, ``cuda:1`` or ``auto`` (CUDA when there is one). The counts and the
     exact distribution are the same on every device; a GPU run checks that the loops' randomness and tensors stay
@@ -75,7 +78,7 @@ def run(cfg: ExactnessJobConfig) -> bool:
         for method in cfg.methods:
             report = exactness_check(verifier, factory, method, cfg.n_runs, prompt_ids=prompt, sampling=sampling,
                                      tree_shape=shape, aux_layer_ids=aux_ids, significance=cfg.significance,
-                                     seed=cfg.seed)
+                                     seed=cfg.seed, batch_size=cfg.batch_size)
             print(f"[{draft} draft] {report.describe()}", flush=True)
             passed &= report.passed
     print("exactness: " + ("PASS — sampled output is distributed as the verifier's" if passed else "FAIL"))

@@ -111,6 +111,10 @@ class Drafter(Protocol):
     when it reads none."""
     supports_tree: bool
 
+    def fresh(self) -> Drafter:
+        """Another drafter with the same settings (and weights) but its own state: one per row of a batch."""
+        ...
+
     def start(self, context: torch.Tensor, aux: torch.Tensor | None) -> None:
         """A new sequence: ``context`` [L] committed tokens; ``aux`` [L-1, 3H] the verifier's features of
         positions 0..L-2 (row t pairs with token t+1)."""

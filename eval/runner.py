@@ -20,6 +20,7 @@ import torch
 
 from fledge.core.errors import ConfigError
 from fledge.data.template import stop_token_ids
+from fledge.eval.batch_eval import evaluate_batched, plot_batch
 from fledge.eval.chain import generate_chain
 from fledge.eval.drafters import EagleDrafter
 from fledge.eval.hf_baseline import generate_hf
@@ -33,6 +34,7 @@ from fledge.eval.metrics import (
     topk_acceptance,
 )
 from fledge.eval.proposals import Drafter, TreeShape
+from fledge.eval.sampling import seeded_generator
 from fledge.eval.ties import DEFAULT_TIE_TOLERANCE, TieJudge
 from fledge.eval.tree import generate_tree
 from fledge.eval.tune import CostModel, measure_verify_cost
@@ -73,6 +75,11 @@ class EvalConfig:
     """Top-k sampling on the verifier's distribution; 0 is off."""
     max_new_tokens: int = 128
     """Generation stops here or at the end-of-turn token, for the baseline and every drafter alike."""
+    batch_size: Any = 1
+    """Prompts decoded together, as a server batches requests: an int, or a list (``'[1,4,16,64]'``) to measure
+    each drafter's speed-up over plain decoding at each batch size (``eval/batch_eval.py``: a table and
+    ``speedup_vs_batch.png``). 1 alone runs the prompt-by-prompt evaluation with its round breakdown and the
+    Hugging Face baseline."""
     max_prompts: int | None = None
     """Use only the first prompts of each set (None: all)."""
     seed: int = 0
@@ -101,6 +108,21 @@ class EvalConfig:
             raise ConfigError(f"eval.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         self.tree_shape()
         self.sampling()
+        self.batch_sizes()
+
+    def batch_sizes(self) -> list[int]:
+        """``batch_size`` as an ascending list of distinct sizes."""
+        raw = [self.batch_size] if isinstance(self.batch_size, (int, float, str)) else self.batch_size
+        try:
+            sizes = sorted({int(b) for b in raw if float(b) == int(b)})
+        except (TypeError, ValueError):
+            sizes = []
+        if len(sizes) != len(set(raw)):
+            sizes = []
+        if not sizes or sizes[0] < 1:
+            raise ConfigError(f"eval.batch_size must be a size >= 1 or a list of them, got {self.batch_size!r}",
+                              fix="e.g. eval.batch_size=16 or eval.batch_size='[1,4,16,64]'")
+        return sizes
 
     def tree_shape(self) -> TreeShape:
         return TreeShape(
@@ -162,15 +184,11 @@ def draft_verifier_mismatches(config: Eagle3Config, verifier: Verifier) -> list[
     return problems
 
 
-def _generator(device: torch.device, seed: int) -> torch.Generator:
-    return torch.Generator(device=device).manual_seed(seed)
-
-
 def _run(
     verifier: Verifier, prompt_ids: torch.Tensor, drafter: Drafter | None, method: str, cfg: EvalConfig,
     stop_ids: frozenset[int], max_new_tokens: int,
 ) -> DecodeResult:
-    generator = _generator(verifier.device, cfg.seed)
+    generator = seeded_generator(verifier.device, cfg.seed)
     common = dict(max_new_tokens=max_new_tokens, sampling=cfg.sampling(), stop_ids=stop_ids, generator=generator)
     if drafter is None:
         return generate_plain(verifier.model, prompt_ids, **common)
@@ -219,10 +237,15 @@ def evaluate(
     # The capture hooks a round pays for: those of the first drafter that reads the verifier's states.
     aux_ids = next((d.aux_layer_ids for _, d in named if d.needs_aux), None)
     methods = {name: _method_of(d, cfg) for name, d in named}
+    batched = cfg.batch_sizes() != [1]
     for set_name, set_prompts in sets.items():
         encoded = [(p["id"], encode_prompt(verifier.tokenizer, p)) for p in set_prompts[: cfg.max_prompts]]
         if not encoded:
             raise ConfigError(f"prompt set {set_name!r} is empty", fix="check prompts and eval.max_prompts")
+        if batched:
+            report["sets"][set_name] = _batched_set(verifier, set_name, encoded, drafters, named, methods, cfg,
+                                                    stop_ids, judge, report.setdefault("batch_sweep", {}))
+            continue
         if cfg.warmup_tokens:
             first = encoded[0][1]
             for drafter in [None, *(d for _, d in named)]:
@@ -262,7 +285,39 @@ def evaluate(
         (out / "report.json").write_text(json.dumps(report, indent=2))
         plot_acceptance(report, out / "acceptance.png")
         report["files"] = {"json": str(out / "report.json"), "png": str(out / "acceptance.png")}
+        if batched:
+            plot_batch(report, out / "speedup_vs_batch.png")
+            report["files"]["batch_png"] = str(out / "speedup_vs_batch.png")
+            (out / "report.json").write_text(json.dumps(report, indent=2))
     return report
+
+
+def _batched_set(
+    verifier: Verifier, set_name: str, encoded: list[tuple[Any, torch.Tensor]], drafters: dict[str, Drafter | None],
+    named: list[tuple[str, Drafter]], methods: dict[str, str], cfg: EvalConfig, stop_ids: frozenset[int],
+    judge: TieJudge | None, sweep: dict[str, Any],
+) -> dict[str, Any]:
+    """The batch sweep of one prompt set (into ``sweep``), and the set's usual entry from its smallest batch size."""
+    def outcome(results: list[DecodeResult], plain: list[DecodeResult]) -> dict | None:
+        return None if judge is None else _greedy_outcome(judge, encoded, results, plain)
+
+    by_size = evaluate_batched(verifier, encoded, named, methods, cfg, stop_ids, outcome)
+    sweep[set_name] = by_size
+    smallest = by_size[str(cfg.batch_sizes()[0])]
+    base = {**smallest["plain"], "batch_size": smallest["batch_size"], "divides_by": "fledge plain decoding, batched"}
+    set_report: dict[str, Any] = {"num_prompts": len(encoded), "baseline": base, "drafters": {}}
+    for name, d in smallest["drafters"].items():
+        set_report["drafters"][name] = {**d, "batch_size": smallest["batch_size"]}
+    for name, drafter in drafters.items():
+        if drafter is None:
+            set_report["drafters"][name] = {"method": "plain", **base}
+    for size, entry in by_size.items():
+        for name, d in entry["drafters"].items():
+            lo, hi = d["speedup_interval"]
+            print(f"[eval] {set_name} / batch {size} / {name}: {d['method']} tau {d['tau']:.2f}, "
+                  f"{d['tokens_per_s']:.1f} tok/s against plain {entry['plain']['tokens_per_s']:.1f}, "
+                  f"speed-up {d['speedup']:.2f}x [{lo:.2f}, {hi:.2f}]", flush=True)
+    return set_report
 
 
 def _run_hf(

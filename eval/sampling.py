@@ -103,3 +103,8 @@ def multi_candidate_accept(
             q[x] = 0.0
             q = _normalised(q, q)
     return -1, int(sample(p, generator))
+
+
+def seeded_generator(device: torch.device, seed: int) -> torch.Generator:
+    """The one seeded generator of a decoding run, on the device its draws are made on."""
+    return torch.Generator(device=device).manual_seed(seed)

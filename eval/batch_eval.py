@@ -1,0 +1,179 @@
+"""``fledge eval eval.batch_size='[1,4,16,64]'``: each drafter's speed-up over plain decoding at the same batch size.
+
+Speculation pays less as the batch grows (the verifier's forward stops being memory-bound and checking k drafts per
+row costs more); users need the curve at the batch sizes they serve. For each batch size B, the prompts are decoded
+B at a time (``eval/batch.py``): plain decoding first, then each drafter on the same group, so that a change of load
+hits them alike. A drafter's tokens/s over plain's is its speed-up at B (pooled over the groups), with a bootstrap
+95 % interval over groups; τ and n-α come from its rows' rounds, and (greedy) every row is checked against plain
+decoding's row like the batch-1 report does (exact, tie or mismatch).
+
+Drafters propose row by row here (one instance per row); a serving engine batches the draft too, so at large B these
+speed-ups understate what an engine gets from the same acceptance.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fledge.eval.batch import generate_batch
+from fledge.eval.metrics import AcceptanceTrace, bootstrap_interval, median, pooled_tau, summarize
+from fledge.eval.proposals import Drafter
+from fledge.eval.sampling import seeded_generator
+from fledge.eval.verifier_state import DecodeResult
+from fledge.models.verifier import Verifier
+
+
+def _group_speedup(groups: list[tuple[int, float, int, float]]) -> tuple[float, list[float]]:
+    """(drafter tokens, seconds, plain tokens, seconds) per group -> pooled speed-up and its interval over groups."""
+
+    def pooled(sample: list[tuple[int, float, int, float]]) -> float:
+        tokens, seconds = sum(g[0] for g in sample), sum(g[1] for g in sample)
+        plain_tokens, plain_seconds = sum(g[2] for g in sample), sum(g[3] for g in sample)
+        if not (seconds and plain_seconds and plain_tokens):
+            return math.nan
+        return (tokens / seconds) / (plain_tokens / plain_seconds)
+
+    lo, hi = bootstrap_interval(groups, pooled)
+    return pooled(groups), [lo, hi]
+
+
+def evaluate_batched(
+    verifier: Verifier,
+    encoded: list[tuple[Any, torch.Tensor]],
+    drafters: list[tuple[str, Drafter]],
+    methods: dict[str, str],
+    cfg: Any,
+    stop_ids: frozenset[int],
+    outcome: Any,
+) -> dict[str, dict[str, Any]]:
+    """{str(B): {"plain": {...}, "drafters": {name: entry}}} for one prompt set. ``outcome(results, plain)`` gives
+    the greedy exactness fields (None when sampling)."""
+    model = verifier.model
+    common = dict(sampling=cfg.sampling(), stop_ids=stop_ids, num_draft_tokens=cfg.num_draft_tokens,
+                  shape=cfg.tree_shape())
+    out: dict[str, dict[str, Any]] = {}
+    for size in cfg.batch_sizes():
+        groups = [encoded[i : i + size] for i in range(0, len(encoded), size)]
+
+        def run(prompts: list[torch.Tensor], name: str | None, max_new_tokens: int) -> tuple[list[DecodeResult], float]:
+            drafter = dict(drafters).get(name) if name else None
+            rows = None if drafter is None else [drafter.fresh() for _ in prompts]
+            aux = drafter.aux_layer_ids if drafter is not None and drafter.needs_aux else None
+            return generate_batch(model, prompts, rows, method=methods.get(name, "plain") if name else "plain",
+                                  max_new_tokens=max_new_tokens, aux_layer_ids=aux,
+                                  generator=seeded_generator(verifier.device, cfg.seed), **common)
+
+        if cfg.warmup_tokens:
+            first = [ids for _, ids in groups[0]]
+            for name in [None, *(n for n, _ in drafters)]:
+                run(first, name, cfg.warmup_tokens)
+        plain: list[DecodeResult] = []
+        plain_seconds: list[float] = []
+        rows: dict[str, list[DecodeResult]] = {name: [] for name, _ in drafters}
+        seconds: dict[str, list[float]] = {name: [] for name, _ in drafters}
+        for group in groups:
+            prompts = [ids for _, ids in group]
+            results, elapsed = run(prompts, None, cfg.max_new_tokens)
+            plain += results
+            plain_seconds.append(elapsed)
+            for name, _ in drafters:
+                results, elapsed = run(prompts, name, cfg.max_new_tokens)
+                rows[name] += results
+                seconds[name].append(elapsed)
+        plain_tokens = sum(len(r.tokens) for r in plain)
+        entry: dict[str, Any] = {
+            "batch_size": size,
+            "groups": len(groups),
+            "plain": {"tokens": plain_tokens, "seconds": sum(plain_seconds),
+                      "tokens_per_s": plain_tokens / sum(plain_seconds) if sum(plain_seconds) else 0.0},
+            "drafters": {},
+        }
+        group_plain = [(sum(len(r.tokens) for r in plain[i * size : (i + 1) * size]), plain_seconds[i])
+                       for i in range(len(groups))]
+        for name, _ in drafters:
+            results = rows[name]
+            num_draft = cfg.tree_depth if methods[name] == "tree" else cfg.num_draft_tokens
+            trace = AcceptanceTrace(accepted=[a for r in results for a in r.accepted], num_draft=num_draft,
+                                    proposed=[p for r in results for p in r.proposed])
+            tokens = sum(len(r.tokens) for r in results)
+            per_group = [(sum(len(r.tokens) for r in results[i * size : (i + 1) * size]), seconds[name][i], *gp)
+                         for i, gp in enumerate(group_plain)]
+            speedup, interval = _group_speedup(per_group)
+            per_prompt_tau = [(sum(a + 1 for a in r.accepted), len(r.accepted)) for r in results]
+            d = {"method": methods[name], **summarize(trace),
+                 "tau_interval": list(bootstrap_interval(per_prompt_tau, pooled_tau)),
+                 "tokens": tokens, "seconds": sum(seconds[name]),
+                 "tokens_per_s": tokens / sum(seconds[name]) if sum(seconds[name]) else 0.0,
+                 "speedup": speedup, "speedup_interval": interval,
+                 "median_group_speedup": median([x for x in (_group_speedup([g])[0] for g in per_group)
+                                                 if not math.isnan(x)])}
+            greedy = outcome(results, plain)
+            if greedy is not None:
+                d.update(greedy)
+            entry["drafters"][name] = d
+        out[str(size)] = entry
+    return out
+
+
+def batch_table(report: dict[str, Any]) -> list[str]:
+    """One row per (prompt set, batch size, drafter): τ, tokens/s against plain's, speed-up with its interval."""
+    sweep = report.get("batch_sweep") or {}
+    if not sweep:
+        return []
+    rows = ["prompt set  batch  drafter             τ      plain tok/s  tok/s    speed-up [95% interval]  greedy exact"]
+    for set_name, by_size in sweep.items():
+        for size, entry in by_size.items():
+            for name, d in entry["drafters"].items():
+                lo, hi = d["speedup_interval"]
+                match = d.get("greedy_match_rate")
+                exact = "" if match is None else f"{match:.0%}" + (
+                    f" +{d['greedy_tie_count']} ties" if d.get("greedy_tie_count") else "") + (
+                    f" {d['greedy_mismatch_count']} MISMATCHED" if d.get("greedy_mismatch_count") else "")
+                rows.append(f"{set_name:<11} {size:>5}  {name:<18} {d['tau']:5.2f}  {entry['plain']['tokens_per_s']:>11.1f}"
+                            f"  {d['tokens_per_s']:>6.1f}   {d['speedup']:5.2f}x [{lo:.2f}, {hi:.2f}]      {exact}")
+    return rows
+
+
+def batch_figures(report: dict[str, Any]) -> list[str]:
+    """Stable labels for benchmarks: ``batch_speedup <set>/<drafter> B=<size> <value>``."""
+    return [f"batch_speedup {set_name}/{name} B={size} {d['speedup']:.3f}"
+            for set_name, by_size in (report.get("batch_sweep") or {}).items()
+            for size, entry in by_size.items() for name, d in entry["drafters"].items()]
+
+
+def plot_batch(report: dict[str, Any], path: Path) -> None:
+    """Speed-up over plain decoding against the batch size (with 95 % intervals), and tokens/s per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for set_name, by_size in report["batch_sweep"].items():
+        sizes = [int(s) for s in by_size]
+        right.plot(sizes, [by_size[str(s)]["plain"]["tokens_per_s"] for s in sizes], marker="o", color="black",
+                   label=f"{set_name}/plain")
+        names = next(iter(by_size.values()))["drafters"]
+        for name in names:
+            ds = [by_size[str(s)]["drafters"][name] for s in sizes]
+            values = [d["speedup"] for d in ds]
+            errors = [[v - d["speedup_interval"][0] for v, d in zip(values, ds)],
+                      [d["speedup_interval"][1] - v for v, d in zip(values, ds)]]
+            left.errorbar(sizes, values, yerr=errors, marker="o", capsize=3, label=f"{set_name}/{name}")
+            right.plot(sizes, [d["tokens_per_s"] for d in ds], marker="o", label=f"{set_name}/{name}")
+    left.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    for ax, title, ylabel in ((left, "speed-up over plain decoding at the same batch size", "speed-up"),
+                              (right, "throughput", "tokens/s (all rows)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    left.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
