@@ -1,13 +1,22 @@
 """Two ranks on gloo (DDP, DeepSpeed ZeRO-1/2/3 with DS_ACCELERATOR=cpu) against one process on the same global batch.
 
 One process with ``grad_accum=2`` and two ranks with ``grad_accum=1`` see the same two micro-batches per step (see
-train/sampler.py), so their losses must agree up to the order of floating-point sums: the all-reduce adds two
-per-rank gradients where one process accumulates them. Tolerance: losses within 1e-5 relative, final weights
-within 1e-5 absolute (in practice they agree to ~1e-7).
+train/sampler.py), and so do one process with ``grad_accum=4`` and two ranks with ``grad_accum=2``; their losses
+must agree up to the order of floating-point sums: the all-reduce adds per-rank gradients where one process
+accumulates them. Tolerance: losses within 1e-5 relative, final weights within 1e-5 absolute (in practice they agree
+to ~1e-7). Also: DDP all-reduces once per step, on the last micro-batch, and a preemption signal that reaches one
+rank stops both at the same step.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +26,7 @@ from safetensors.torch import load_file
 from fledge.models.draft_folder import complete_checkpoints, load_draft
 
 from conftest import read_jsonl
-from test_train_fixtures import build_cache, run_cli, shared_root, train_overrides
+from test_train_fixtures import REPO, build_cache, cli_command, cli_env, run_cli, shared_root, train_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -34,6 +43,14 @@ def cache(tmp_path_factory, smollm_tokenizer) -> Path:
 def single(cache, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("single") / "run"
     run_cli(train_overrides(cache, out, **{**COMMON, "train.grad_accum": 2}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def single_accum4(cache, tmp_path_factory) -> Path:
+    """One process seeing what two ranks with grad_accum=2 see together."""
+    out = tmp_path_factory.mktemp("single4") / "run"
+    run_cli(train_overrides(cache, out, **{**COMMON, "train.grad_accum": 4}))
     return out
 
 
@@ -58,6 +75,102 @@ def test_ddp_two_ranks_match_single_process(cache, single, tmp_path):
     run_cli(train_overrides(cache, out, **{**COMMON, "engine.kind": "ddp"}), nproc=2)
     assert_matches_single(out, single)
     assert {p.name for p in (out / "checkpoints" / "step-000004").glob("rng-*.pt")} == {"rng-00000.pt", "rng-00001.pt"}
+
+
+@pytest.mark.parametrize("kind", ["ddp", "deepspeed"])
+def test_two_ranks_accumulating_two_micro_batches_match_single_process(cache, single_accum4, tmp_path, kind):
+    out = tmp_path / kind
+    extra = {"engine.kind": kind, "train.grad_accum": 2} | ({"engine.zero_stage": 2} if kind == "deepspeed" else {})
+    run_cli(train_overrides(cache, out, **{**COMMON, **extra}), nproc=2)
+    assert_matches_single(out, single_accum4)
+
+
+def _count_all_reduces(rank: int, port: int, out: str) -> None:
+    """One rank of test_ddp_all_reduces_on_the_last_micro_batch_only (spawned: a module-level function)."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from fledge.core.dist import dist_info
+    from fledge.models.draft import Eagle3Draft
+    from fledge.train.bench import TrainBenchConfig, synthetic_batch
+    from fledge.train.config import TrainConfig
+    from fledge.train.engine import EngineConfig, TorchEngine, TTTModule
+    from fledge.train.ttt import TTTConfig
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        cfg = TrainBenchConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=8, target_hidden_size=48, vocab_size=512, draft_vocab_size=128, seq_len=16)
+        gen = torch.Generator().manual_seed(rank)
+        head = torch.randn(cfg.vocab_size, cfg.target_hidden_size, generator=gen)
+        module = TTTModule(Eagle3Draft(cfg.draft_config(), seed=0), head, TTTConfig(ttt_steps=2))
+        engine = TorchEngine(module, TrainConfig(max_steps=1, grad_accum=2, dtype="fp32", warmup_steps=0),
+                             EngineConfig(kind="ddp"), dist_info(), torch.device("cpu"), 1)
+        buckets: list[int] = []
+
+        def counting(state, bucket):
+            buckets.append(bucket.index())
+            return default_hooks.allreduce_hook(state, bucket)
+
+        engine.wrapped.register_comm_hook(None, counting)
+        after = []
+        for boundary in (False, True):
+            batch = synthetic_batch(cfg, gen)
+            with engine.accumulating(boundary):
+                loss, _ = engine.forward(batch)
+                engine.backward(loss / 2, boundary)
+            after.append(len(buckets))
+        engine.step()
+        Path(out, f"rank-{rank}.json").write_text(json.dumps(after))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_all_reduces_on_the_last_micro_batch_only(tmp_path):
+    """DDP prepares its all-reduce in the forward: with only the backward inside no_sync, every micro-batch would
+    be all-reduced (the same result, at grad_accum times the traffic)."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_count_all_reduces, args=(port, str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        first, both = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+        assert first == 0, f"rank {rank}: {first} bucket all-reduces inside the accumulation window"
+        assert both > 0, f"rank {rank}: no all-reduce on the last micro-batch"
+
+
+def test_a_signal_to_one_rank_stops_both_at_the_same_step_and_the_run_resumes(cache, single, tmp_path):
+    """SIGUSR1 to rank 1 only (its process, not torchrun): the flag is OR-reduced, so rank 0 stops after the same
+    step, both save it, torchrun exits 0, and the relaunched run ends as the uninterrupted one."""
+    import psutil
+
+    out = tmp_path / "ddp"
+    args = train_overrides(cache, out, **{**COMMON, "engine.kind": "ddp", "checkpoint.every": 1})
+    p = subprocess.Popen(cli_command(args, nproc=2), cwd=REPO, env=cli_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while not (out / "checkpoints" / "step-000001").is_dir() and p.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    workers = [w for w in psutil.Process(p.pid).children(recursive=True) if w.environ().get("RANK") == "1"]
+    assert len(workers) == 1, workers
+    os.kill(workers[0].pid, signal.SIGUSR1)
+    log, _ = p.communicate(timeout=300)
+    stopped = re.search(r"preempted by a signal to another rank at step (\d+) of 4", log)
+    assert stopped, f"no preemption (exit {p.returncode}); the run may have finished before the signal:\n{log[-4000:]}"
+    assert p.returncode == 0, log[-4000:]
+    step = int(stopped.group(1))
+    last = out / "checkpoints" / f"step-{step:06d}"
+    assert [s for s, _ in complete_checkpoints(out / "checkpoints")][-1] == step
+    assert {f.name for f in last.glob("rng-*.pt")} == {"rng-00000.pt", "rng-00001.pt"}
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r][-1] == step
+    assert not (out / "draft").exists()
+    run_cli(args, nproc=2)
+    assert_matches_single(out, single)
 
 
 @pytest.mark.parametrize("stage", [1, 2])

@@ -133,17 +133,17 @@ def test_resume_refuses_a_breaking_change_and_allows_a_longer_run(short_run, cac
 def test_non_finite_step_is_skipped_and_counted(cache, tmp_path, monkeypatch):
     import fledge.train.sampler
 
-    real = fledge.train.sampler.collate
+    real = fledge.train.sampler.pad_batch
     calls = {"n": 0}
 
-    def poisoned(samples, device="cpu"):
-        batch = real(samples, device)
+    def poisoned(samples, pin_memory=False):
+        batch = real(samples, pin_memory)
         calls["n"] += 1
-        if calls["n"] == 2:  # the micro-batch of step 2
+        if calls["n"] == 2:  # the micro-batch of step 2 (the data thread reads them in order)
             batch["aux"][0, 0, 0] = float("nan")
         return batch
 
-    monkeypatch.setattr(fledge.train.sampler, "collate", poisoned)
+    monkeypatch.setattr(fledge.train.sampler, "pad_batch", poisoned)
     out = tmp_path / "run"
     run_stage("train", train_overrides(cache, out, **{"train.max_steps": 3, "checkpoint.every": 1, "checkpoint.keep_last": 3}))
     records = {r["step"]: r for r in read_jsonl(out / "metrics.jsonl")}
@@ -273,11 +273,12 @@ def test_the_lens_initialisation_reads_the_top_aux_layer_through_the_copied_head
 def test_a_time_limit_ends_the_run_at_a_step_boundary_with_its_final_draft(cache, tmp_path):
     import time
 
-    from fledge.train.loop import out_of_time
+    from fledge.train.stopping import TIME_LIMIT, PreemptionSignals, stop_reason
 
-    assert not out_of_time(None, 0.0, torch.device("cpu"))
-    assert out_of_time(1e-9, time.perf_counter() - 1, torch.device("cpu"))
-    assert not out_of_time(60.0, time.perf_counter(), torch.device("cpu"))
+    cpu, no_signal = torch.device("cpu"), PreemptionSignals()
+    assert stop_reason(None, 0.0, no_signal, cpu) is None
+    assert stop_reason(1e-9, time.perf_counter() - 1, no_signal, cpu) == TIME_LIMIT
+    assert stop_reason(60.0, time.perf_counter(), no_signal, cpu) is None
     out = tmp_path / "limited"
     result = run_stage("train", train_overrides(cache, out, **{"train.max_steps": 4, "train.time_limit_minutes": 1e-9}))
     assert result.step == 1  # the first step boundary is past the limit

@@ -1,7 +1,9 @@
-"""kill -9 at any moment, resume, and end bitwise where an uninterrupted run ends (real subprocesses)."""
+"""kill -9 at any moment, or SIGTERM (a preemption), resume, and end bitwise where an uninterrupted run ends (real
+subprocesses)."""
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import time
@@ -25,6 +27,14 @@ def cache(tmp_path_factory, smollm_tokenizer) -> Path:
     return build_cache(shared_root(tmp_path_factory), smollm_tokenizer)
 
 
+@pytest.fixture(scope="module")
+def reference(cache, tmp_path_factory) -> Path:
+    """The uninterrupted run."""
+    out = tmp_path_factory.mktemp("resume") / "reference"
+    run_cli(train_overrides(cache, out, **RUN))
+    return out
+
+
 def weights(run: Path) -> dict[str, torch.Tensor]:
     return load_file(str(run / "draft" / "model.safetensors"))
 
@@ -35,11 +45,17 @@ def history(run: Path) -> list[tuple]:
     return [tuple(r.get(k) for k in keys) for r in read_jsonl(run / "metrics.jsonl") if "params/trainable" not in r]
 
 
-@pytest.mark.slow
-def test_kill9_anywhere_then_resume_is_bitwise_equal(cache, tmp_path):
-    reference = tmp_path / "reference"
-    run_cli(train_overrides(cache, reference, **RUN))
+def assert_same_run(run: Path, reference: Path) -> None:
+    ref_w, got_w = weights(reference), weights(run)
+    assert ref_w.keys() == got_w.keys()
+    for k in ref_w:
+        assert torch.equal(ref_w[k], got_w[k]), f"{k} differs after the interruption and resume"
+    # The logs tell the same story: each step once, with the same losses, norms, LR and token counts.
+    assert history(run) == history(reference)
 
+
+@pytest.mark.slow
+def test_kill9_anywhere_then_resume_is_bitwise_equal(cache, reference, tmp_path):
     run = tmp_path / "killed"
     args = train_overrides(cache, run, **RUN)
     ckpts = run / "checkpoints"
@@ -63,10 +79,30 @@ def test_kill9_anywhere_then_resume_is_bitwise_equal(cache, tmp_path):
 
     # 3. Resumed to the end.
     run_cli(args)
-    ref_w, got_w = weights(reference), weights(run)
-    assert ref_w.keys() == got_w.keys()
-    for k in ref_w:
-        assert torch.equal(ref_w[k], got_w[k]), f"{k} differs after kill -9 and resume"
-    # The logs tell the same story: each step once, with the same losses, norms, LR and token counts.
-    assert history(run) == history(reference)
+    assert_same_run(run, reference)
     assert [s for s, _ in complete_checkpoints(ckpts)] == [8, 10]
+
+
+@pytest.mark.slow
+def test_sigterm_saves_at_a_step_boundary_exits_0_and_resumes_bitwise(cache, reference, tmp_path):
+    run = tmp_path / "preempted"
+    args = train_overrides(cache, run, **RUN)
+    ckpts = run / "checkpoints"
+    p = subprocess.Popen(cli_command(args), cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True)
+    deadline = time.time() + 300
+    while not (ckpts / "step-000002").is_dir() and p.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=300)
+    stopped = re.search(r"preempted by SIGTERM at step (\d+) of 10: saved ([^;]+);", out)
+    assert stopped, f"the run finished before the signal, or did not stop on it (exit {p.returncode}):\n{out[-3000:]}"
+    assert p.returncode == 0, out[-3000:]
+    step = int(stopped.group(1))
+    assert 2 <= step < 10 and Path(stopped.group(2)) == ckpts / f"step-{step:06d}"
+    assert [s for s, _ in complete_checkpoints(ckpts)][-1] == step
+    assert not (run / "draft").exists()
+
+    proc = run_cli(args)  # the same command again
+    assert f"resumed from {ckpts / f'step-{step:06d}'}" in proc.stdout + proc.stderr
+    assert_same_run(run, reference)

@@ -1,13 +1,16 @@
 """Length-bucketed batches: deterministic from the seed, each conversation once per epoch, sharded by rank so that
-two ranks see what one process sees with grad_accum=2, resumable from a saved position; right-padding collate."""
+two ranks see what one process sees with grad_accum=2, resumable from a saved position; right-padding collate; the
+read-ahead thread gives the batches asked for, in order."""
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import pytest
 import torch
 
-from fledge.train.sampler import BucketSampler, DataPosition, bucket_batches, collate, eval_batches
+from fledge.train.sampler import BucketSampler, DataPosition, Prefetcher, bucket_batches, collate, eval_batches
 
 LENGTHS = [int(x) for x in np.random.default_rng(0).integers(5, 300, size=203)]
 
@@ -119,3 +122,32 @@ def test_collate_pads_on_the_right():
     assert batch["loss_mask"].tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
     assert batch["aux"].dtype == torch.float32 and batch["aux"][0, 2:].abs().sum() == 0
     assert batch["final"][1, 3, 0] == 2.0
+
+
+class RecordingReader:
+    """Conversations of lengths 3..8 with distinct values, and the threads that read them."""
+
+    def __init__(self) -> None:
+        self.threads: list[str] = []
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        self.threads.append(threading.current_thread().name)
+        n = 3 + i % 6
+        return {"input_ids": torch.arange(n) + 100 * i, "loss_mask": torch.ones(n, dtype=torch.int64),
+                "aux": torch.full((n, 6), float(i), dtype=torch.bfloat16), "final": torch.full((n, 2), -float(i))}
+
+
+def test_prefetcher_gives_the_batches_asked_for_read_on_one_thread():
+    reader = RecordingReader()
+    order = [[0, 1], [2], [3, 4, 5], [6, 7]]
+    with Prefetcher(reader, "cpu") as data:
+        got = [data.next(order[0], ahead=order[1])]
+        assert data.read([9]).keys() == got[0].keys()  # a held-out read between two steps keeps the read-ahead
+        got += [data.next(b, ahead=a) for b, a in zip(order[1:], order[2:] + [None])]
+        stray = data.next([8])  # not the announced batch: read now, correctly
+    for batch, ids in zip(got + [stray], order + [[8]]):
+        want = collate([RecordingReader()[i] for i in ids])
+        assert batch.keys() == want.keys() and all(torch.equal(batch[k], want[k]) for k in want)
+        assert not batch["aux"].is_pinned()  # pinned memory only for a GPU
+    assert set(reader.threads) == {"fledge-data_0"}
+    assert len(reader.threads) == sum(len(b) for b in order) + 2  # each conversation read once, +[9] and [8]

@@ -1,8 +1,9 @@
 """``fledge bench train``: training throughput of the default verifier's draft, fp32 and bf16 autocast, and its MFU.
 
 No cache is needed: the batch is synthetic (random token ids, aux / final states of the right shapes), and the
-step is the real one (``TorchEngine``: TTT forward, backward, clip, AdamW). The peak is measured in the same run
-with one large matrix product per dtype, so MFU compares the draft to what this machine's matmul reaches.
+step is the real one (``TorchEngine``: TTT forward, backward, clip, AdamW), on the GPU when CUDA is available
+(``device=auto``), else the CPU. The peak is measured in the same run and on the same device with one large matrix
+product per dtype, so MFU compares the draft to what this machine's matmul reaches.
 
 Model FLOPs of one training step, counted from the shapes (``train_step_flops``); element-wise work (norms,
 RoPE, softmax, SiLU) is left out, matrix products count 2 FLOPs per multiply-add:
@@ -25,7 +26,7 @@ from typing import Any
 
 import torch
 
-from fledge.core.dist import DistInfo
+from fledge.core.dist import DistInfo, pick_device
 from fledge.core.errors import ConfigError
 from fledge.models.draft import Eagle3Config, Eagle3Draft
 from fledge.train.config import TrainConfig
@@ -55,7 +56,8 @@ class TrainBenchConfig:
     warmup: int = 1
     dtypes: list[str] = field(default_factory=lambda: ["fp32", "bf16"])
     matmul_size: int = 2048
-    """Side of the square matrices timed for the peak."""
+    """Side of the square matrices timed for the peak (on a large GPU 2048 may fall short of its peak and inflate
+    MFU: try 8192 there)."""
     profile: bool = False
     """Also profile one training step per dtype (torch.profiler) and print the ops that took the most time."""
     profile_rows: int = 5
@@ -64,6 +66,8 @@ class TrainBenchConfig:
     without native bf16, a bf16 training step of this draft ran 30x slower than fp32 at 128 tokens: a
     1024-token bf16 step takes many minutes)."""
     seed: int = 0
+    device: str = "auto"
+    """'auto' (the first GPU when CUDA is available, else the CPU), 'cpu', 'cuda', 'cuda:1', ..."""
 
     def __post_init__(self) -> None:
         bad = [d for d in self.dtypes if d not in ("fp32", "bf16")]
@@ -118,22 +122,37 @@ def train_step_flops(
     return parts
 
 
-def matmul_peak(dtype: torch.dtype, n: int, reps: int = 8) -> float:
-    """FLOP/s of an n x n x n matrix product in ``dtype``, in the layout of ``nn.Linear`` (``x @ w.T``), best of
-    ``reps``. The layout matters on CPUs without native bf16: there a bf16 ``x @ w`` ran 10x slower than a bf16
-    ``x @ w.T``, which is what the draft's linear layers (nearly all of its FLOPs) execute."""
-    x = torch.randn(n, n).to(dtype)
-    w = torch.randn(n, n).to(dtype)
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device``: a GPU runs asynchronously, and a clock read before it finishes
+    measures only the launches."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_peak(dtype: torch.dtype, n: int, reps: int = 8, device: torch.device | str = "cpu") -> float:
+    """FLOP/s of an n x n x n matrix product in ``dtype`` on ``device``, in the layout of ``nn.Linear``
+    (``x @ w.T``), best of ``reps``. The layout matters on CPUs without native bf16: there a bf16 ``x @ w`` ran 10x
+    slower than a bf16 ``x @ w.T``, which is what the draft's linear layers (nearly all of its FLOPs) execute.
+    On a GPU each timing covers 16 products queued back to back, so that the launch and the synchronisation are
+    not counted as the product's time."""
+    device = torch.device(device)
+    x = torch.randn(n, n, device=device).to(dtype)
+    w = torch.randn(n, n, device=device).to(dtype)
+    per_timing = 16 if device.type == "cuda" else 1
     torch.nn.functional.linear(x, w)  # warm up the kernel
     best = float("inf")
     for _ in range(reps):
+        synchronize(device)
         t = time.perf_counter()
-        torch.nn.functional.linear(x, w)
-        best = min(best, time.perf_counter() - t)
+        for _ in range(per_timing):
+            torch.nn.functional.linear(x, w)
+        synchronize(device)
+        best = min(best, (time.perf_counter() - t) / per_timing)
     return 2 * n**3 / best
 
 
 def synthetic_batch(cfg: TrainBenchConfig, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """A batch of random token ids and states on the CPU (drawn from ``gen``, so the same on every device)."""
     b, t = cfg.batch_size, cfg.seq_len
     return {
         "input_ids": torch.randint(0, cfg.vocab_size, (b, t), generator=gen),
@@ -150,7 +169,9 @@ def counted_positions(cfg: TrainBenchConfig) -> list[int]:
     return [cfg.batch_size * max(0, cfg.seq_len - k - 2) for k in range(cfg.ttt_steps)]
 
 
-def bench_dtype(cfg: TrainBenchConfig, dtype: str) -> dict[str, Any]:
+def bench_dtype(cfg: TrainBenchConfig, dtype: str, device: torch.device | None = None) -> dict[str, Any]:
+    """Time ``cfg.steps`` training steps in ``dtype`` on ``device`` (None: ``cfg.device``)."""
+    device = pick_device(cfg.device) if device is None else device
     config = cfg.draft_config()
     gen = torch.Generator().manual_seed(cfg.seed)
     draft = Eagle3Draft(config, seed=cfg.seed)
@@ -161,19 +182,20 @@ def bench_dtype(cfg: TrainBenchConfig, dtype: str) -> dict[str, Any]:
     module = TTTModule(draft, head, TTTConfig(ttt_steps=cfg.ttt_steps))
     total = cfg.warmup + cfg.steps
     engine = TorchEngine(
-        module, TrainConfig(max_steps=total, dtype=dtype, warmup_steps=0), EngineConfig(), DistInfo(),
-        torch.device("cpu"), total,
+        module, TrainConfig(max_steps=total, dtype=dtype, warmup_steps=0), EngineConfig(), DistInfo(), device, total,
     )
-    batch = synthetic_batch(cfg, gen)
+    batch = {k: v.to(device) for k, v in synthetic_batch(cfg, gen).items()}
     times, counted0 = [], 0.0
     for i in range(total):
+        synchronize(device)
         t = time.perf_counter()
         loss, metrics = engine.forward(batch)
         engine.backward(loss, boundary=True)
         engine.step()
+        synchronize(device)
         if i >= cfg.warmup:
             times.append(time.perf_counter() - t)
-        counted0 = metrics["tokens"]
+        counted0 = float(metrics["tokens"])
     step_time = sorted(times)[len(times) // 2]
     top_ops = profile_step(engine, batch, cfg.profile_rows) if cfg.profile else None
     counted = counted_positions(cfg)
@@ -200,39 +222,52 @@ def profile_step(engine: TorchEngine, batch: dict[str, torch.Tensor], rows: int)
         loss, _ = engine.forward(batch)
         engine.backward(loss, boundary=True)
         engine.step()
-    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-    total = sum(e.self_cpu_time_total for e in events) or 1.0
+    # On a GPU the ops' own time is the device's (the host only launches them); on a CPU, the host's.
+    on_gpu = engine.device.type == "cuda"
+
+    def own_us(e: Any) -> float:
+        if not on_gpu:
+            return float(e.self_cpu_time_total)
+        return float(getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0))
+
+    events = sorted(prof.key_averages(), key=own_us, reverse=True)
+    total = sum(own_us(e) for e in events) or 1.0
     return [
-        {"op": e.key, "self_ms": e.self_cpu_time_total / 1e3, "share": e.self_cpu_time_total / total, "calls": e.count}
-        for e in events[:rows]
+        {"op": e.key, "self_ms": own_us(e) / 1e3, "share": own_us(e) / total, "calls": e.count} for e in events[:rows]
     ]
 
 
 def run(cfg: TrainBenchConfig) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
+    device = pick_device(cfg.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     peaks = {
-        d: matmul_peak(torch.float32 if d == "fp32" else torch.bfloat16, cfg.matmul_size) for d in cfg.dtypes
+        d: matmul_peak(torch.float32 if d == "fp32" else torch.bfloat16, cfg.matmul_size, device=device)
+        for d in cfg.dtypes
     }
     results = []
     for d in cfg.dtypes:
         if cfg.skip_slow_dtypes and peaks[d] < 0.5 * max(peaks.values()):
+            cpu = f"this CPU ({torch.backends.cpu.get_cpu_capability()})"
+            where = describe(device) if device.type == "cuda" else cpu
             print(
                 f"{d}: skipped, its matmul peak {peaks[d] / 1e12:.4f} TFLOP/s is {max(peaks.values()) / peaks[d]:.0f}x "
-                f"below the best dtype's on this CPU ({torch.backends.cpu.get_cpu_capability()}); "
-                "skip_slow_dtypes=false measures it anyway"
+                f"below the best dtype's on {where}; skip_slow_dtypes=false measures it anyway"
             )
             continue
-        r = bench_dtype(cfg, d)
+        r = bench_dtype(cfg, d, device)
         # On a shared machine a burst of other work can land on the peak's few products: measure it again after
         # the steps and keep the better of the two, so that MFU is not inflated by a low peak.
-        peaks[d] = max(peaks[d], matmul_peak(torch.float32 if d == "fp32" else torch.bfloat16, cfg.matmul_size))
+        peaks[d] = max(peaks[d], matmul_peak(torch.float32 if d == "fp32" else torch.bfloat16, cfg.matmul_size,
+                                             device=device))
         r["peak_tflops_per_s"] = peaks[d] / 1e12
         r["mfu"] = r["model_tflops_per_s"] * 1e12 / peaks[d]
         results.append(r)
     c = cfg
     print(
         f"draft H={c.hidden_size} Ht={c.target_hidden_size} V={c.vocab_size} V_draft={c.draft_vocab_size} "
-        f"batch {c.batch_size}x{c.seq_len} ttt_steps={c.ttt_steps}, {torch.get_num_threads()} threads"
+        f"batch {c.batch_size}x{c.seq_len} ttt_steps={c.ttt_steps}, on {describe(device)}"
     )
     flops = train_step_flops(cfg.draft_config(), c.batch_size, c.seq_len, c.ttt_steps, counted_positions(c))
     print("model FLOPs per step: " + ", ".join(f"{k} {v / 1e9:.1f}G" for k, v in flops.items()))
@@ -250,4 +285,10 @@ def run(cfg: TrainBenchConfig) -> dict[str, Any]:
     print("")
     for r in results:
         print(f"mfu {r['dtype']} {r['mfu']:.3f}")  # the stable label a benchmark compares
-    return {"results": results, "peaks": peaks}
+    return {"results": results, "peaks": peaks, "device": str(device)}
+
+
+def describe(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return f"cpu, {torch.get_num_threads()} threads"

@@ -2,8 +2,9 @@
 
 The loop sees one interface whatever the engine::
 
-    loss, metrics = engine.forward(batch)      # bf16 autocast inside when train.dtype=bf16
-    engine.backward(loss, boundary)            # boundary: last micro-batch of the step (DDP syncs gradients there)
+    with engine.accumulating(boundary):        # boundary: last micro-batch of the step (DDP syncs gradients there)
+        loss, metrics = engine.forward(batch)  # bf16 autocast inside when train.dtype=bf16; metrics stay on the device
+        engine.backward(loss, boundary)
     result = engine.step()                     # clip, non-finite guard, AdamW, LR schedule, zero grads
 
 Every engine trains the same module (``TTTModule``: the draft plus the frozen verifier head), with torch's AdamW
@@ -22,7 +23,7 @@ import math
 import os
 import socket
 import time
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -76,7 +77,7 @@ class TTTModule(nn.Module):
         self.verifier_head = verifier_head
         self.ttt = ttt
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if self.verifier_head.device != batch["final"].device:
             self.verifier_head = self.verifier_head.to(batch["final"].device)
         return ttt_forward(self.draft, batch, self.verifier_head, self.ttt)
@@ -255,25 +256,32 @@ class TorchEngine:
                 module, device_ids=[device.index] if device.type == "cuda" else None, **no_sync_buffers
             )
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+    def accumulating(self, boundary: bool) -> AbstractContextManager:
+        """Wraps a micro-batch's forward and backward. Inside an accumulation window (not ``boundary``) DDP must not
+        all-reduce: gradients are summed locally and synced once, on the last micro-batch. The forward belongs
+        inside ``no_sync`` too: DDP's forward is where it prepares the reducer for the backward that follows, so
+        a forward outside it all-reduces that micro-batch's gradients whatever the backward is wrapped in."""
+        return self.wrapped.no_sync() if self.ddp and not boundary else nullcontext()
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             return self.wrapped(batch)
 
     def backward(self, loss: torch.Tensor, boundary: bool) -> None:
-        # Inside an accumulation window DDP must not all-reduce: gradients are summed locally and synced once.
-        with self.wrapped.no_sync() if self.ddp and not boundary else nullcontext():
-            loss.backward()
+        loss.backward()
 
     def step(self) -> StepResult:
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip_norm if self.clip_norm > 0 else math.inf)
-        # After DDP's all-reduce every rank holds the same gradients, hence the same norm and the same decision.
-        if not torch.isfinite(norm):
+        # The step's one host sync: whether to apply the update depends on the norm's value. After DDP's all-reduce
+        # every rank holds the same gradients, hence the same norm and the same decision.
+        value = float(norm)
+        if not math.isfinite(value):
             self.optimizer.zero_grad(set_to_none=True)
-            return StepResult(float(norm), applied=False)
+            return StepResult(value, applied=False)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(float(norm), applied=True)
+        return StepResult(value, applied=True)
 
     @property
     def lr(self) -> float:
@@ -362,7 +370,13 @@ class DeepSpeedEngine:
             config=self.ds_config,
         )
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+    def accumulating(self, boundary: bool) -> AbstractContextManager:
+        """Nothing to do: DeepSpeed counts micro-steps itself and, under ZeRO-0/1, reduces gradients only at the
+        accumulation boundary; ZeRO-2/3 reduce each micro-batch's gradients into their owners' partitions by design
+        (they never hold a full gradient), and DeepSpeed's ``no_sync`` refuses them."""
+        return nullcontext()
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return self.ds(batch)  # DeepSpeed applies the torch_autocast section itself
 
     def backward(self, loss: torch.Tensor, boundary: bool) -> None:
@@ -373,6 +387,7 @@ class DeepSpeedEngine:
 
     def step(self) -> StepResult:
         self.ds.step()
+        # DeepSpeed's step has already read the norm on the host to decide on the update (its own per-step sync).
         norm = self.ds.get_global_grad_norm()
         norm = float(norm) if norm is not None else float("nan")
         return StepResult(norm, applied=self.ds.was_step_applied())

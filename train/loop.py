@@ -7,6 +7,10 @@
 The run directory ends up with ``checkpoints/``, ``metrics.jsonl``, ``wandb/`` and ``draft/`` (the final weights, in
 the checkpoint weight format; ``models.draft_folder.load_draft`` reads it). ``TrainJobConfig``, the root of the
 stage's config, composes each component's dataclass; ``conf/train.yaml`` fills it.
+
+SIGTERM or SIGUSR1 (a scheduler's notice) during the loop ends the run at the next optimizer-step boundary, every rank
+at the same step: that step is logged and checkpointed, and the process exits with status 0 without writing
+``draft/``; rerunning the same command resumes from the checkpoint (``train/stopping.py``, ``launch/slurm.sbatch``).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -49,6 +53,7 @@ from fledge.train.engine import (
     init_process_group,
 )
 from fledge.train.logger import LogConfig, MetricsLogger, with_tau
+from fledge.train.stopping import SIGNAL, TIME_LIMIT, Preempted, PreemptionSignals, stop_reason
 from fledge.train.ttt import TTTConfig
 
 log = logging.getLogger(__name__)
@@ -199,53 +204,83 @@ def run(cfg: TrainJobConfig) -> TrainResult:
          "params/frozen": sum(numel.values()) - trainable, "total_steps": total_steps},
         state.step,
     )
-    window = MetricWindow()
+    window = MetricWindow(device)
     last: dict[str, float] = {}
     last_eval: dict[str, float] = {}
     window_start = loop_start = time.perf_counter()
+    preempted = False
 
     # ---- the loop
-    while state.step < total_steps:
-        micro_batches, position = bucket_sampler.next_step(sampler.DataPosition(state.epoch, state.batch))
-        for i, indices in enumerate(micro_batches):
-            batch = sampler.collate([reader[j] for j in indices], device)
-            loss, metrics = engine.forward(batch)
-            # Each micro-batch's mean loss / grad_accum: the step's gradient is the mean over its micro-batches
-            # (and DDP / ZeRO average over ranks), so it does not grow with the accumulation count.
-            engine.backward(loss / cfg.train.grad_accum, boundary=i == len(micro_batches) - 1)
-            window.add(metrics, tokens=int(batch["attention_mask"].sum()))
-        result = engine.step()  # clip, skip if the gradient is not finite, AdamW, LR schedule
-        state.step += 1
-        state.epoch, state.batch = position.epoch, position.batch
-        state.skipped_steps += 0 if result.applied else 1
-        if not result.applied:
-            log.warning("step %d: non-finite gradient norm %s, update skipped", state.step, result.grad_norm)
-        window.add_step(result.grad_norm)
-        logger.advance()
-        if out_of_time(cfg.train.time_limit_minutes, loop_start, device) and state.step < total_steps:
-            log.warning("train.time_limit_minutes=%g reached at step %d of %d: ending the run here",
-                        cfg.train.time_limit_minutes, state.step, total_steps)
-            total_steps = state.step  # the final logging, held-out eval and checkpoint below run for this step
+    # From here SIGTERM / SIGUSR1 only raise a flag (train/stopping.py): the run stops at the next step boundary.
+    # The data thread reads and pads micro-batch i+1 while micro-batch i trains, in the sampler's order.
+    with PreemptionSignals() as signals, sampler.Prefetcher(reader, device) as data:
+        if eval_reader is reader:
+            load_eval = data.read  # through the data thread: the reader is never used from two threads at once
+        else:
+            load_eval = lambda ids: sampler.collate([eval_reader[j] for j in ids], device)  # noqa: E731
+        while state.step < total_steps:
+            micro_batches, position = bucket_sampler.next_step(sampler.DataPosition(state.epoch, state.batch))
+            for i, indices in enumerate(micro_batches):
+                boundary = i == len(micro_batches) - 1
+                ahead = bucket_sampler.next_step(position)[0][0] if boundary else micro_batches[i + 1]
+                batch = data.next(indices, ahead)
+                with engine.accumulating(boundary):  # DDP: gradients all-reduced on the last micro-batch only
+                    loss, metrics = engine.forward(batch)
+                    # Each micro-batch's mean loss / grad_accum: the step's gradient is the mean over its micro-
+                    # batches (and DDP / ZeRO average over ranks), so it does not grow with the accumulation count.
+                    engine.backward(loss / cfg.train.grad_accum, boundary)
+                # Metrics add up on the device, tokens on the host: no host sync per micro-batch.
+                window.add(metrics, tokens=int(bucket_sampler.lengths[indices].sum()))
+            result = engine.step()  # clip, skip if the gradient is not finite (one host sync), AdamW, LR schedule
+            state.step += 1
+            state.epoch, state.batch = position.epoch, position.batch
+            state.skipped_steps += 0 if result.applied else 1
+            if not result.applied:
+                log.warning("step %d: non-finite gradient norm %s, update skipped", state.step, result.grad_norm)
+            window.add_step(result.grad_norm)
+            logger.advance()
+            stop = stop_reason(cfg.train.time_limit_minutes, loop_start, signals, device)
+            if stop == TIME_LIMIT and state.step < total_steps:
+                log.warning("train.time_limit_minutes=%g reached at step %d of %d: ending the run here",
+                            cfg.train.time_limit_minutes, state.step, total_steps)
+                total_steps = state.step  # the final logging, held-out eval and checkpoint below run for this step
+            # Preempted: log this step (and evaluate it when due), checkpoint it, and leave without the final draft:
+            # the run is not over, and its resumption must log exactly what an uninterrupted run logs.
+            preempted = stop == SIGNAL and state.step < total_steps
+            end = preempted or state.step == total_steps
 
-        if state.step % cfg.log.every == 0 or state.step == total_steps:
-            record = window.reduce(time.perf_counter() - window_start)
-            state.tokens_seen += int(record.pop("tokens_total"))
-            record.update(lr=engine.lr, skipped_steps=state.skipped_steps, epoch=state.epoch, tokens_seen=state.tokens_seen)
-            logger.log(with_tau(record), state.step)
-            last, window, window_start = record, MetricWindow(), time.perf_counter()
+            if state.step % cfg.log.every == 0 or end:
+                record = window.reduce(time.perf_counter() - window_start)
+                state.tokens_seen += int(record.pop("tokens_total"))
+                record.update(lr=engine.lr, skipped_steps=state.skipped_steps, epoch=state.epoch,
+                              tokens_seen=state.tokens_seen)
+                logger.log(with_tau(record), state.step)
+                last, window, window_start = record, MetricWindow(device), time.perf_counter()
 
-        if eval_set and cfg.eval.every and (state.step % cfg.eval.every == 0 or state.step == total_steps):
-            paused = time.perf_counter()
-            last_eval = evaluate_held_out(engine, eval_reader, eval_set, device)
-            logger.log(last_eval, state.step)
-            window.paused += time.perf_counter() - paused  # eval time is not training throughput
+            if eval_set and cfg.eval.every and (state.step % cfg.eval.every == 0 or state.step == total_steps):
+                paused = time.perf_counter()
+                last_eval = evaluate_held_out(engine, load_eval, eval_set, device)
+                logger.log(last_eval, state.step)
+                window.paused += time.perf_counter() - paused  # eval time is not training throughput
 
-        if (cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0) or state.step == total_steps:
-            paused = time.perf_counter()
-            # Tokens of a window not logged yet would be lost on resume: count them before saving.
-            state.tokens_seen += window.flush_tokens()
-            save_checkpoint(ckpt_dir, engine, state, draft.config, meta, resolved, info, cfg.checkpoint.keep_last)
-            window.paused += time.perf_counter() - paused
+            if (cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0) or end:
+                paused = time.perf_counter()
+                # Tokens of a window not logged yet would be lost on resume: count them before saving.
+                state.tokens_seen += window.flush_tokens()
+                saved = save_checkpoint(ckpt_dir, engine, state, draft.config, meta, resolved, info,
+                                        cfg.checkpoint.keep_last)
+                window.paused += time.perf_counter() - paused
+            if preempted:
+                break
+
+    if preempted:
+        by = signals.received.name if signals.received else "a signal to another rank"
+        if info.is_main:
+            log.warning("preempted by %s at step %d of %d: saved %s; rerun the same command to resume from it "
+                        "(checkpoint.resume=true, the default)", by, state.step, total_steps, saved)
+        logger.close()
+        barrier()
+        raise Preempted(state.step, total_steps, str(saved), by)
 
     # ---- the final draft, for eval and export
     weights = engine.trainable_state_dict()  # every rank: a collective under ZeRO-3
@@ -256,19 +291,6 @@ def run(cfg: TrainJobConfig) -> TrainResult:
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-def out_of_time(limit_minutes: float | None, since: float, device: torch.device) -> bool:
-    """Whether the run's time limit has passed. Under several ranks, rank 0's clock decides for all (one broadcast
-    per step, only when a limit is set), so that every rank stops at the same step; one process reads its clock."""
-    if limit_minutes is None:
-        return False
-    over = time.perf_counter() - since >= 60 * limit_minutes
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return over
-    flag = torch.tensor([float(over)], device=device)
-    torch.distributed.broadcast(flag, src=0)
-    return bool(flag.item())
-
-
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -364,10 +386,16 @@ def draft_meta(reader: CacheReader, cfg: TrainJobConfig) -> dict[str, Any]:
 
 
 class MetricWindow:
-    """Training metrics since the last log record: means over micro-batches (and ranks), sums of tokens."""
+    """Training metrics since the last log record: means over micro-batches (and ranks), sums of tokens.
 
-    def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
+    The per-micro-batch metrics stay on the device and add up there; ``reduce`` reads them back once per record
+    (with the all-reduce over ranks), so training makes no host sync per micro-batch for its logs."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.keys: list[str] = []
+        self.sums: torch.Tensor | None = None
+        """float64 [len(keys)] on the device: the metrics summed over micro-batches."""
         self.micro = 0
         self.tokens = 0
         self.steps = 0
@@ -376,9 +404,11 @@ class MetricWindow:
         self.paused = 0.0
         """Seconds spent in eval and checkpoints inside this window (excluded from tokens/s)."""
 
-    def add(self, metrics: dict[str, float], tokens: int) -> None:
-        for k, v in metrics.items():
-            self.sums[k] = self.sums.get(k, 0.0) + float(v)
+    def add(self, metrics: dict[str, torch.Tensor], tokens: int) -> None:
+        if self.sums is None:
+            self.keys = sorted(metrics)
+        values = torch.stack([torch.as_tensor(metrics[k], device=self.device) for k in self.keys]).double()
+        self.sums = values if self.sums is None else self.sums + values
         self.micro += 1
         self.tokens += tokens
 
@@ -388,16 +418,19 @@ class MetricWindow:
 
     def flush_tokens(self) -> int:
         """Tokens of all ranks not yet counted in ``tokens_seen`` (a collective)."""
-        total = int(all_reduce_sum(torch.tensor([float(self.tokens - self.flushed)], dtype=torch.float64))[0])
+        unflushed = torch.tensor([float(self.tokens - self.flushed)], dtype=torch.float64, device=self.device)
+        total = int(all_reduce_sum(unflushed)[0])
         self.flushed = self.tokens
         return total
 
     def reduce(self, seconds: float) -> dict[str, float]:
-        """A log record (a collective: every rank calls it at the same steps)."""
-        keys = sorted(self.sums)
-        local = [self.sums[k] for k in keys] + [self.micro, self.tokens, self.tokens - self.flushed]
-        total = all_reduce_sum(torch.tensor(local, dtype=torch.float64)).tolist()
+        """A log record (a collective: every rank calls it at the same steps; the window's one host sync)."""
+        counts = torch.tensor([self.micro, self.tokens, self.tokens - self.flushed], dtype=torch.float64,
+                              device=self.device)
+        local = counts if self.sums is None else torch.cat([self.sums, counts])
+        total = all_reduce_sum(local).tolist()
         micro, tokens, unflushed = total[-3:]
+        keys = self.keys
         record = {k: total[i] / micro for i, k in enumerate(keys) if k != "tokens"}
         record["loss_tokens"] = total[keys.index("tokens")] if "tokens" in keys else 0.0
         record["grad_norm"] = self.grad_norm / max(1, self.steps)
@@ -408,22 +441,24 @@ class MetricWindow:
 
 @torch.no_grad()
 def evaluate_held_out(
-    engine: Engine, reader: CacheReader, batches: list[tuple[list[int], float]], device: torch.device
+    engine: Engine, load: Callable[[list[int]], dict[str, torch.Tensor]], batches: list[tuple[list[int], float]],
+    device: torch.device,
 ) -> dict[str, float]:
-    """TTT losses and accuracies on held-out conversations, weighted by counted positions, over all ranks."""
+    """TTT losses and accuracies on held-out conversations, weighted by counted positions, over all ranks.
+    ``load`` turns a micro-batch's conversation ids into a batch on the device; the sums stay there until the end."""
     keys: list[str] | None = None
     sums: torch.Tensor | None = None
     for indices, weight in batches:
-        _, metrics = engine.forward(sampler.collate([reader[j] for j in indices], device))
+        _, metrics = engine.forward(load(indices))
         if keys is None:
             keys = sorted(k for k in metrics if k != "tokens")
-            sums = torch.zeros(len(keys) + 1, dtype=torch.float64)
-        w = weight * metrics["tokens"]
-        sums += torch.tensor([metrics[k] * w for k in keys] + [w], dtype=torch.float64)
+        w = weight * metrics["tokens"].double()
+        row = torch.stack([metrics[k].double() * w for k in keys] + [w])
+        sums = row if sums is None else sums + row
     if keys is None:
         return {}
-    total = all_reduce_sum(sums)
-    weight = float(total[-1])
-    record = {f"eval/{k}": (float(total[i]) / weight if weight > 0 else math.nan) for i, k in enumerate(keys)}
+    total = all_reduce_sum(sums.to(device)).tolist()
+    weight = total[-1]
+    record = {f"eval/{k}": (total[i] / weight if weight > 0 else math.nan) for i, k in enumerate(keys)}
     record["eval/tokens"] = weight
     return with_tau(record, prefix="eval/")

@@ -7,17 +7,23 @@ sees exactly the global batch that two ranks with ``grad_accum = 1`` see togethe
 single-process run and a DDP / DeepSpeed run comparable step by step.
 
 The position in the data is ``(epoch, batch)``: the index of the next global micro-batch of that epoch. A checkpoint
-stores it, and a resumed run rebuilds the epoch's list and continues from there.
+stores it, and a resumed run rebuilds the epoch's list and continues from there. ``Prefetcher`` reads the micro-batches
+the loop names one ahead, on a background thread, without changing which ones or in what order.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from fledge.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from fledge.data.cache import CacheReader
 
 
 @dataclass
@@ -158,22 +164,23 @@ def eval_batches(
     return mine
 
 
-def collate(samples: list[dict[str, torch.Tensor]], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """Right-pad a list of cached conversations into a batch; hidden states become float32.
+def pad_batch(samples: list[dict[str, torch.Tensor]], pin_memory: bool = False) -> dict[str, torch.Tensor]:
+    """Right-pad a list of cached conversations into a batch of CPU tensors; hidden states become float32.
 
     Padding positions get ``attention_mask = 0`` and ``loss_mask = 0``; the TTT loss never counts them, and causal
-    attention never lets a real position see them (they come after every real token).
+    attention never lets a real position see them (they come after every real token). ``pin_memory`` puts the batch
+    in page-locked memory, from which a copy to a GPU runs without blocking the host (CUDA only).
     """
     longest = max(int(s["input_ids"].shape[0]) for s in samples)
     b = len(samples)
     aux_width = samples[0]["aux"].shape[-1]
     final_width = samples[0]["final"].shape[-1]
     out = {
-        "input_ids": torch.zeros(b, longest, dtype=torch.int64),
-        "loss_mask": torch.zeros(b, longest, dtype=torch.int64),
-        "attention_mask": torch.zeros(b, longest, dtype=torch.int64),
-        "aux": torch.zeros(b, longest, aux_width, dtype=torch.float32),
-        "final": torch.zeros(b, longest, final_width, dtype=torch.float32),
+        "input_ids": torch.zeros(b, longest, dtype=torch.int64, pin_memory=pin_memory),
+        "loss_mask": torch.zeros(b, longest, dtype=torch.int64, pin_memory=pin_memory),
+        "attention_mask": torch.zeros(b, longest, dtype=torch.int64, pin_memory=pin_memory),
+        "aux": torch.zeros(b, longest, aux_width, dtype=torch.float32, pin_memory=pin_memory),
+        "final": torch.zeros(b, longest, final_width, dtype=torch.float32, pin_memory=pin_memory),
     }
     for i, s in enumerate(samples):
         n = int(s["input_ids"].shape[0])
@@ -182,4 +189,59 @@ def collate(samples: list[dict[str, torch.Tensor]], device: torch.device | str =
         out["attention_mask"][i, :n] = 1
         out["aux"][i, :n] = s["aux"].float()
         out["final"][i, :n] = s["final"].float()
-    return {k: v.to(device, non_blocking=True) for k, v in out.items()}
+    return out
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device | str) -> dict[str, torch.Tensor]:
+    """The batch on ``device``; from pinned memory to a GPU the copies are queued and the host goes on."""
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def collate(samples: list[dict[str, torch.Tensor]], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """``pad_batch`` on ``device`` (pinned on the way when it is a GPU)."""
+    device = torch.device(device)
+    return to_device(pad_batch(samples, pin_memory=device.type == "cuda"), device)
+
+
+class Prefetcher:
+    """Micro-batches of a cache, read and padded one ahead on a background thread while the current one trains.
+
+    The caller names every micro-batch (``next(indices, ahead)``: this one, and the one to read meanwhile), so the
+    data order, and with it the resume position, is exactly the sampler's. One thread makes every read of
+    ``reader`` (``read`` queues behind the read-ahead), so the reader is never used from two threads at once. On
+    CUDA the batches are padded into pinned memory and copied to the GPU by the caller's thread without blocking:
+    the copy lands on the stream the forward runs on, so no stream bookkeeping is needed.
+    """
+
+    def __init__(self, reader: CacheReader, device: torch.device | str) -> None:
+        self.reader = reader
+        self.device = torch.device(device)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fledge-data")
+        self._ahead: tuple[list[int], Future] | None = None
+
+    def _read(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        return pad_batch([self.reader[j] for j in indices], pin_memory=self.device.type == "cuda")
+
+    def next(self, indices: list[int], ahead: list[int] | None = None) -> dict[str, torch.Tensor]:
+        """Micro-batch ``indices`` on the device (already read if it was the previous call's ``ahead``); ``ahead``
+        starts reading in the background."""
+        if self._ahead is not None and self._ahead[0] == indices:
+            pending = self._ahead[1]
+        else:
+            pending = self._pool.submit(self._read, indices)
+        self._ahead = (ahead, self._pool.submit(self._read, ahead)) if ahead is not None else None
+        return to_device(pending.result(), self.device)
+
+    def read(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        """One micro-batch now (held-out evaluation), leaving the read-ahead in place."""
+        return to_device(self._pool.submit(self._read, indices).result(), self.device)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._ahead = None
+
+    def __enter__(self) -> Prefetcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

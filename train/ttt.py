@@ -117,12 +117,15 @@ def ttt_unroll(draft: Eagle3Draft, fused: torch.Tensor, input_ids: torch.Tensor,
 
 def ttt_forward(
     draft: Eagle3Draft, batch: dict[str, torch.Tensor], verifier_head: torch.Tensor, cfg: TTTConfig
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Weighted TTT loss of one batch, with per-step losses and top-1 agreement for logging.
 
     batch: input_ids [B, T] int64, loss_mask [B, T] 0/1, attention_mask [B, T] (1 = token, 0 = right padding),
     aux [B, T, 3*Ht], final [B, T, Ht]. Returns (loss with grad, {"ploss_k", "acc_k" for each step, "loss",
-    "tokens" = positions counted at step 0}).
+    "tokens" = positions counted at step 0}). The metrics are detached 0-dim float32 tensors on the batch's
+    device: reading them is a host sync, which the training loop does once per log record, not per micro-batch.
+    (The gather of the counted positions, ``nonzero``, still syncs once per step of the unroll: its size decides
+    the shape of the head's product.)
     """
     input_ids = batch["input_ids"]
     b, t = input_ids.shape
@@ -134,16 +137,17 @@ def ttt_forward(
 
     fused = draft.fuse(batch["aux"])
     total = fused.new_zeros((), dtype=torch.float32)
-    metrics: dict[str, float] = {}
+    zero = torch.zeros((), dtype=torch.float32, device=input_ids.device)
+    metrics: dict[str, torch.Tensor] = {}
     for k, hidden in enumerate(ttt_unroll(draft, fused, input_ids, cfg.ttt_steps)):
         counted = shift_left(trained, k + 2, False) & shift_left(in_vocab, k + 1, False)
         rows, cols = counted.nonzero(as_tuple=True)
         if k == 0:
-            metrics["tokens"] = float(rows.numel())
+            metrics["tokens"] = zero + rows.numel()
         if rows.numel() == 0:
             # Keep the graph connected so that backward() works on a batch with nothing to learn.
             ploss = hidden.sum().float() * 0.0
-            metrics[f"ploss_{k}"], metrics[f"acc_{k}"] = 0.0, 0.0
+            metrics[f"ploss_{k}"], metrics[f"acc_{k}"] = zero, zero
         else:
             # Only counted positions go through lm_head: it is the widest matrix product of the unroll.
             logits = draft.logits(hidden[rows, cols]).float()
@@ -151,7 +155,7 @@ def ttt_forward(
             ploss = -(target * F.log_softmax(logits, dim=-1)).sum(-1).mean()
             with torch.no_grad():
                 acc = (logits.argmax(-1) == target.argmax(-1)).float().mean()
-            metrics[f"ploss_{k}"], metrics[f"acc_{k}"] = float(ploss.detach()), float(acc)
+            metrics[f"ploss_{k}"], metrics[f"acc_{k}"] = ploss.detach(), acc
         total = total + (cfg.step_decay**k) * ploss
-    metrics["loss"] = float(total.detach())
+    metrics["loss"] = total.detach()
     return total, metrics
