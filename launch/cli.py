@@ -63,6 +63,14 @@ STAGES: dict[str, Stage] = {
     "bench_train": Stage(
         "fledge.train.bench:TrainBenchConfig", "fledge.train.bench:run", "training throughput and MFU"
     ),
+    "plan": Stage(
+        "fledge.train.plan_job:PlanJobConfig", "fledge.train.plan_job:run",
+        "disk, memory per GPU, FLOPs and hours of a job, from shapes alone", out_keys=("out_dir",),
+    ),
+    "bench_plan": Stage(
+        "fledge.train.plan_bench:PlanBenchConfig", "fledge.train.plan_bench:run",
+        "the plan's memory prediction against a measured CPU training step",
+    ),
     "eval": Stage(
         "fledge.eval.eval_job:EvalJobConfig", "fledge.eval.eval_job:run", "τ, n-α and speed-up through the real loop",
         out_keys=("eval.out_dir",),
