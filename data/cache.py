@@ -331,6 +331,11 @@ class CacheReader:
             "final": handle.get_slice("final")[a:b],
         }
 
+    def rows(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
+        """``[self[i] for i in indices]``: what the training loop reads per micro-batch (``data/online.py`` computes
+        them in one verifier forward instead)."""
+        return [self[i] for i in indices]
+
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         for i in range(len(self)):
             yield self[i]

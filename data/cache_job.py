@@ -22,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 from fledge.core.dist import DistInfo, barrier, process_group
+from fledge.core.errors import ConfigError, MismatchError
 from fledge.core.files import atomic_write_text
 from fledge.data.cache import (
     FORMAT_VERSION,
@@ -53,10 +54,14 @@ from fledge.models.verifier import (
 log = logging.getLogger(__name__)
 
 
+CACHED_CONVERSATIONS = 1000
+"""How many conversations ``fledge cache`` (and online training, ``data/online.py``) take by default."""
+
+
 @dataclass
 class CacheJobConfig:
     verifier: VerifierConfig = field(default_factory=VerifierConfig)
-    data: DataConfig = field(default_factory=lambda: DataConfig(max_conversations=1000))
+    data: DataConfig = field(default_factory=lambda: DataConfig(max_conversations=CACHED_CONVERSATIONS))
     """The conversations to cache; the first 1000 usable ones by default (``data.max_conversations=null``: all)."""
     cache: CacheConfig = field(default_factory=CacheConfig)
 
@@ -101,9 +106,19 @@ def prepare(cfg: CacheJobConfig, info: DistInfo, device: torch.device) -> Prepar
             fix="check data.source and data.max_length",
         )
     vocab_size = int(verifier.model.config.vocab_size)
-    counts = count_tokens(samples, vocab_size)
+    try:
+        counts = count_tokens(samples, vocab_size)
+    except ValueError as e:  # the tokenizer makes ids the verifier's embedding has no row for
+        raise MismatchError(
+            f"{cfg.verifier.name_or_path}: the tokenizer does not fit the verifier: {e}",
+            fix="use the tokenizer saved with the verifier (its vocabulary must not exceed the model's vocab_size)",
+        ) from None
     draft_vocab_size = min(cfg.cache.draft_vocab_size, vocab_size)
-    d2t, t2d = build_draft_vocab(counts, draft_vocab_size)
+    try:
+        d2t, t2d = build_draft_vocab(counts, draft_vocab_size)
+    except ValueError as e:
+        raise ConfigError(f"cache.draft_vocab_size={cfg.cache.draft_vocab_size}: {e}",
+                          fix="set cache.draft_vocab_size to at least 1") from None
 
     storage = parse_dtype(cfg.cache.storage_dtype)
     bytes_per_token = 4 * verifier.hidden_size * storage.itemsize + 5
@@ -169,8 +184,10 @@ def claim_directory(cache_dir: Path, plan_record: dict[str, Any], overwrite: boo
     return False
 
 
-def _batch_tensors(samples: list[Tokenized], batch: list[int], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    longest = max(len(samples[i].input_ids) for i in batch)
+def _batch_tensors(
+    samples: list[Tokenized], batch: list[int], pad_id: int, pad_to: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    longest = max([len(samples[i].input_ids) for i in batch] + [pad_to or 0])
     ids = torch.full((len(batch), longest), pad_id, dtype=torch.int64)
     mask = torch.zeros((len(batch), longest), dtype=torch.int64)
     for row, i in enumerate(batch):
@@ -180,25 +197,46 @@ def _batch_tensors(samples: list[Tokenized], batch: list[int], pad_id: int) -> t
     return ids, mask
 
 
+def capture_batch(
+    verifier: Verifier, samples: list[Tokenized], batch: list[int], storage: torch.dtype, pad_to: int | None = None
+) -> list[dict[str, torch.Tensor]]:
+    """One verifier forward over ``batch`` (right-padded to its longest conversation, or to ``pad_to``): each
+    conversation's row as a shard stores it (input_ids int64, loss_mask uint8, aux [T, 3H] and final [T, H] in
+    ``storage``).
+
+    The values of a conversation's row depend on the padded length of its forward but not on the other rows (on
+    CPU in fp32 they are bitwise the same for any batch mates): ``data/online.py`` relies on it to reproduce a
+    cache's rows exactly, padding each conversation to the length of its batch in the cache's plan."""
+    pad_id = verifier.tokenizer.pad_token_id or 0
+    ids, attn = _batch_tensors(samples, batch, pad_id, pad_to)
+    device = verifier.device
+    captured = forward_hidden(verifier.model, ids.to(device), attn.to(device), verifier.aux_layer_ids)
+    aux = torch.cat([a.to("cpu", storage) for a in captured.aux], dim=-1)  # layers may sit on several GPUs
+    final = captured.final.to("cpu", storage)
+    rows = []
+    for row, i in enumerate(batch):
+        n = len(samples[i].input_ids)
+        rows.append({
+            "input_ids": ids[row, :n],
+            "loss_mask": torch.tensor(samples[i].loss_mask, dtype=torch.uint8),
+            "aux": aux[row, :n],
+            "final": final[row, :n],
+        })
+    return rows
+
+
 def cache_shard(verifier: Verifier, samples: list[Tokenized], batches: list[list[int]], storage: torch.dtype, on_batch=None):
     """Run the verifier over one shard's batches; returns per-conversation tensors in shard order."""
-    pad_id = verifier.tokenizer.pad_token_id or 0
     conv_ids, ids_out, mask_out, aux_out, final_out = [], [], [], [], []
     for batch in batches:
-        ids, attn = _batch_tensors(samples, batch, pad_id)
-        device = verifier.device
-        captured = forward_hidden(verifier.model, ids.to(device), attn.to(device), verifier.aux_layer_ids)
-        aux = torch.cat([a.to("cpu", storage) for a in captured.aux], dim=-1)  # layers may sit on several GPUs
-        final = captured.final.to("cpu", storage)
-        for row, i in enumerate(batch):
-            n = len(samples[i].input_ids)
+        for i, row in zip(batch, capture_batch(verifier, samples, batch, storage)):
             conv_ids.append(i)
-            ids_out.append(ids[row, :n])
-            mask_out.append(torch.tensor(samples[i].loss_mask, dtype=torch.uint8))
-            aux_out.append(aux[row, :n])
-            final_out.append(final[row, :n])
+            ids_out.append(row["input_ids"])
+            mask_out.append(row["loss_mask"])
+            aux_out.append(row["aux"])
+            final_out.append(row["final"])
         if on_batch is not None:
-            on_batch(int(attn.sum()))
+            on_batch(sum(len(samples[i].input_ids) for i in batch))
     return conv_ids, ids_out, mask_out, aux_out, final_out
 
 
@@ -239,8 +277,16 @@ def write_manifest(cache_dir: Path, cfg: CacheJobConfig, prep: Prepared) -> dict
         if record is None:
             raise CacheError(f"{cache_dir}: shard {s} is not complete", fix="rerun `fledge cache` to finish it")
         shards.append(record)
+    manifest = manifest_record(cfg, prep, shards)
+    atomic_write_text(cache_dir / "manifest.json", json.dumps(manifest, indent=1))
+    return manifest
+
+
+def manifest_record(cfg: CacheJobConfig, prep: Prepared, shards: list[dict[str, Any]]) -> dict[str, Any]:
+    """The manifest of a cache of ``prep`` made of ``shards`` (their sidecar records). Online training
+    (``data/online.py``) builds the same record with no shards, so a run reads one description of its data."""
     v = prep.verifier
-    manifest = {
+    return {
         "format_version": FORMAT_VERSION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "verifier": {
@@ -261,16 +307,14 @@ def write_manifest(cache_dir: Path, cfg: CacheJobConfig, prep: Prepared) -> dict
         "source": {"config": asdict(cfg.data), "report": prep.source_report, "tokens": prep.token_stats},
         "draft_vocab_size": int(prep.d2t.numel()),
         "num_conversations": len(prep.samples),
-        "num_tokens": sum(r["tokens"] for r in shards),
+        "num_tokens": sum(len(s.input_ids) for s in prep.samples),  # every conversation is in exactly one shard
         "num_loss_tokens": sum(sum(s.loss_mask) for s in prep.samples),
         "bytes": sum(r["bytes"] for r in shards),
         "shards": shards,
     }
-    atomic_write_text(cache_dir / "manifest.json", json.dumps(manifest, indent=1))
-    return manifest
 
 
-def _already_complete(cache_dir: Path, cfg: CacheJobConfig) -> bool:
+def already_complete(cache_dir: Path, cfg: CacheJobConfig) -> bool:
     """Cheap rerun check (no tokenisation): a manifest exists and was written for this very configuration."""
     plan_path, manifest_path = cache_dir / "plan.json", cache_dir / "manifest.json"
     if not (plan_path.is_file() and manifest_path.is_file()):
@@ -289,7 +333,7 @@ def _run(cfg: CacheJobConfig, info: DistInfo, device: torch.device) -> Path:
     if info.is_main:
         resolve_verifier_dir(cfg.verifier)  # convert a GGUF once, before the other ranks look for it
     barrier()
-    if _already_complete(cache_dir, cfg):
+    if already_complete(cache_dir, cfg):
         if info.is_main:
             log.info("%s is complete for this configuration; nothing to do", cache_dir)
         return cache_dir

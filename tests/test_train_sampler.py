@@ -136,6 +136,9 @@ class RecordingReader:
         return {"input_ids": torch.arange(n) + 100 * i, "loss_mask": torch.ones(n, dtype=torch.int64),
                 "aux": torch.full((n, 6), float(i), dtype=torch.bfloat16), "final": torch.full((n, 2), -float(i))}
 
+    def rows(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:  # what the Prefetcher calls
+        return [self[i] for i in indices]
+
 
 def test_prefetcher_gives_the_batches_asked_for_read_on_one_thread():
     reader = RecordingReader()

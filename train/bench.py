@@ -5,6 +5,14 @@ step is the real one (``TorchEngine``: TTT forward, backward, clip, AdamW), on t
 (``device=auto``), else the CPU. The peak is measured in the same run and on the same device with one large matrix
 product per dtype, so MFU compares the draft to what this machine's matmul reaches.
 
+``data.mode=online`` also loads the verifier (``verifier.*``, the default one unless named) and times what online
+training adds (``data/online.py``): each timed step first runs the verifier over the batch's token ids with the
+cache's capture code (``data.cache_job.capture_batch``, states rounded to the cache's storage dtype) and pads the
+rows as the data thread does; the offline figure trains on those same states, ready. It prints both tokens/s, their
+ratio and the verifier's forward time per token. The two run one after the other here, as they share the CPU in
+training (there the data thread computes the next batch while the current one trains: on a GPU the online figure is
+a lower bound).
+
 Model FLOPs of one training step, counted from the shapes (``train_step_flops``); element-wise work (norms,
 RoPE, softmax, SiLU) is left out, matrix products count 2 FLOPs per multiply-add:
 
@@ -22,18 +30,32 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from fledge.core.dist import DistInfo, pick_device
 from fledge.core.errors import ConfigError
+from fledge.data.cache import CacheConfig
+from fledge.data.online import MODES
 from fledge.models.draft import Eagle3Config, Eagle3Draft
+from fledge.models.verifier import Verifier, VerifierConfig
 from fledge.train.config import TrainConfig
 from fledge.train.engine import EngineConfig, TorchEngine, TTTModule
 from fledge.train.ttt import TTTConfig
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class BenchDataConfig:
+    mode: str = "cache"
+    """``cache``: time training steps on ready states (a cache's); ``online``: also time them with the verifier's
+    forward in front, as ``fledge train data.mode=online`` runs it, and compare."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"data.mode must be one of {', '.join(MODES)}, got {self.mode!r}")
 
 
 @dataclass
@@ -68,6 +90,9 @@ class TrainBenchConfig:
     seed: int = 0
     device: str = "auto"
     """'auto' (the first GPU when CUDA is available, else the CPU), 'cpu', 'cuda', 'cuda:1', ..."""
+    data: BenchDataConfig = field(default_factory=BenchDataConfig)
+    verifier: VerifierConfig = field(default_factory=VerifierConfig)
+    """The verifier ``data.mode=online`` runs (the default one); the draft's shapes above must be its shapes."""
 
     def __post_init__(self) -> None:
         bad = [d for d in self.dtypes if d not in ("fp32", "bf16")]
@@ -169,8 +194,13 @@ def counted_positions(cfg: TrainBenchConfig) -> list[int]:
     return [cfg.batch_size * max(0, cfg.seq_len - k - 2) for k in range(cfg.ttt_steps)]
 
 
-def bench_dtype(cfg: TrainBenchConfig, dtype: str, device: torch.device | None = None) -> dict[str, Any]:
-    """Time ``cfg.steps`` training steps in ``dtype`` on ``device`` (None: ``cfg.device``)."""
+def bench_dtype(
+    cfg: TrainBenchConfig, dtype: str, device: torch.device | None = None,
+    capture: Callable[[torch.Tensor], dict[str, torch.Tensor]] | None = None, online: bool = False,
+) -> dict[str, Any]:
+    """Time ``cfg.steps`` training steps in ``dtype`` on ``device`` (None: ``cfg.device``). With ``capture`` (the
+    verifier's states for token ids, as a padded CPU batch) the steps train on the verifier's states of the
+    synthetic token ids; with ``online`` too, each timed step computes them first (``capture_s``: that part)."""
     device = pick_device(cfg.device) if device is None else device
     config = cfg.draft_config()
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -184,11 +214,19 @@ def bench_dtype(cfg: TrainBenchConfig, dtype: str, device: torch.device | None =
     engine = TorchEngine(
         module, TrainConfig(max_steps=total, dtype=dtype, warmup_steps=0), EngineConfig(), DistInfo(), device, total,
     )
-    batch = {k: v.to(device) for k, v in synthetic_batch(cfg, gen).items()}
-    times, counted0 = [], 0.0
+    batch = synthetic_batch(cfg, gen)
+    if capture is not None:
+        batch = capture(batch["input_ids"])
+    batch = {k: v.to(device) for k, v in batch.items()}
+    times, capture_times, counted0 = [], [], 0.0
     for i in range(total):
         synchronize(device)
         t = time.perf_counter()
+        if online:
+            batch = {k: v.to(device) for k, v in capture(batch["input_ids"].cpu()).items()}
+            synchronize(device)
+            if i >= cfg.warmup:
+                capture_times.append(time.perf_counter() - t)
         loss, metrics = engine.forward(batch)
         engine.backward(loss, boundary=True)
         engine.step()
@@ -210,6 +248,7 @@ def bench_dtype(cfg: TrainBenchConfig, dtype: str, device: torch.device | None =
         "flops_per_step": flops,
         "loss": float(loss.detach()),
         "top_ops": top_ops,
+        "capture_s": sorted(capture_times)[len(capture_times) // 2] if capture_times else 0.0,
     }
 
 
@@ -237,16 +276,42 @@ def profile_step(engine: TorchEngine, batch: dict[str, torch.Tensor], rows: int)
     ]
 
 
+def verifier_capture(cfg: TrainBenchConfig, device: torch.device) -> Callable[[torch.Tensor], dict[str, torch.Tensor]]:
+    """token ids [B, T] -> the padded CPU batch online training makes of them: the verifier's forward with the
+    cache's capture code, rows rounded to the cache's storage dtype, padded by the data thread's ``pad_batch``."""
+    from fledge.data.cache_job import capture_batch
+    from fledge.data.template import Tokenized
+    from fledge.models.verifier import load_verifier, parse_dtype
+    from fledge.train.sampler import pad_batch
+
+    verifier: Verifier = load_verifier(cfg.verifier, device)
+    shapes = (verifier.hidden_size, int(verifier.model.config.vocab_size))
+    if shapes != (cfg.target_hidden_size, cfg.vocab_size):
+        raise ConfigError(
+            f"verifier {cfg.verifier.name_or_path} has hidden size {shapes[0]} and vocabulary {shapes[1]}; the bench's "
+            f"draft reads target_hidden_size={cfg.target_hidden_size} and vocab_size={cfg.vocab_size}",
+            fix="set target_hidden_size, vocab_size (and hidden_size, heads) to the verifier's",
+        )
+    storage = parse_dtype(CacheConfig.storage_dtype)
+
+    def capture(ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        samples = [Tokenized(row.tolist(), [1] * len(row), False) for row in ids]
+        return pad_batch(capture_batch(verifier, samples, list(range(len(samples))), storage))
+
+    return capture
+
+
 def run(cfg: TrainBenchConfig) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     device = pick_device(cfg.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    capture = verifier_capture(cfg, device) if cfg.data.mode == "online" else None
     peaks = {
         d: matmul_peak(torch.float32 if d == "fp32" else torch.bfloat16, cfg.matmul_size, device=device)
         for d in cfg.dtypes
     }
-    results = []
+    results, online = [], []
     for d in cfg.dtypes:
         if cfg.skip_slow_dtypes and peaks[d] < 0.5 * max(peaks.values()):
             cpu = f"this CPU ({torch.backends.cpu.get_cpu_capability()})"
@@ -256,7 +321,9 @@ def run(cfg: TrainBenchConfig) -> dict[str, Any]:
                 f"below the best dtype's on {where}; skip_slow_dtypes=false measures it anyway"
             )
             continue
-        r = bench_dtype(cfg, d, device)
+        r = bench_dtype(cfg, d, device, capture)
+        if capture is not None:
+            online.append(bench_dtype(cfg, d, device, capture, online=True))
         # On a shared machine a burst of other work can land on the peak's few products: measure it again after
         # the steps and keep the better of the two, so that MFU is not inflated by a low peak.
         peaks[d] = max(peaks[d], matmul_peak(torch.float32 if d == "fp32" else torch.bfloat16, cfg.matmul_size,
@@ -285,7 +352,22 @@ def run(cfg: TrainBenchConfig) -> dict[str, Any]:
     print("")
     for r in results:
         print(f"mfu {r['dtype']} {r['mfu']:.3f}")  # the stable label a benchmark compares
-    return {"results": results, "peaks": peaks, "device": str(device)}
+    tokens = c.batch_size * c.seq_len
+    if online:
+        print(f"\nonline: verifier {cfg.verifier.name_or_path} in {describe_dtype(cfg.verifier, device)}, its forward "
+              "and capture before each step (data.mode=online); offline: the same steps on its states, ready")
+    for r, o in zip(results, online):
+        print(f"tokens_per_s offline {r['dtype']} {r['tokens_per_s']:.1f}")
+        print(f"tokens_per_s online {o['dtype']} {o['tokens_per_s']:.1f}")
+        print(f"online_ratio {o['dtype']} {o['tokens_per_s'] / r['tokens_per_s']:.3f}")
+        print(f"verifier_forward_ms_per_token {o['dtype']} {1e3 * o['capture_s'] / tokens:.3f}")
+    return {"results": results, "online": online, "peaks": peaks, "device": str(device)}
+
+
+def describe_dtype(verifier: VerifierConfig, device: torch.device) -> str:
+    from fledge.models.verifier import parse_dtype
+
+    return str(parse_dtype(verifier.dtype, device)).removeprefix("torch.")
 
 
 def describe(device: torch.device) -> str:

@@ -1,6 +1,7 @@
 """``fledge train``: the training loop of the EAGLE-3 draft, in one function that reads top to bottom.
 
     fledge train cache_dir=runs/cache output_dir=runs/train train.max_steps=2000
+    fledge train data.mode=online data.source=chats.jsonl verifier.name_or_path=/models/...   (no cache: data/online.py)
     torchrun --nproc_per_node 2 -m fledge.launch.cli train engine.kind=ddp ...        (launch/torchrun.sh)
     deepspeed --no_local_rank --module fledge.launch.cli train engine.kind=deepspeed ...  (launch/deepspeed.sh)
 
@@ -28,12 +29,13 @@ import numpy as np
 import torch
 
 from fledge.core.config import fields_of
-from fledge.core.dist import all_reduce_sum, barrier
+from fledge.core.dist import DistInfo, all_reduce_sum, barrier
 from fledge.core.errors import ConfigError, MismatchError
-from fledge.data.cache import CacheReader
+from fledge.data.cache import CacheConfig, CacheReader
+from fledge.data.online import FirstEpochSource, OnlineSource, TrainDataConfig
 from fledge.models.draft import Eagle3Config, Eagle3Draft
 from fledge.models.draft_folder import CHECKPOINTS, latest_checkpoint, write_final_draft
-from fledge.models.verifier import check_fingerprint, load_embed_and_head, load_final_norm
+from fledge.models.verifier import VerifierConfig, check_fingerprint, load_embed_and_head, load_final_norm
 from fledge.train import sampler
 from fledge.train.checkpoint import (
     CheckpointConfig,
@@ -59,10 +61,28 @@ from fledge.train.ttt import TTTConfig
 log = logging.getLogger(__name__)
 
 
+TrainingData = CacheReader | OnlineSource | FirstEpochSource
+"""What the loop trains on: a cache on disk, or the verifier run as the loop asks (``data.mode=online``, and
+``cache_first_epoch`` in its first epoch)."""
+
+
 @dataclass
 class TrainJobConfig:
     cache_dir: str = "runs/cache"
-    """The hidden-state cache built by ``fledge cache`` (it names the verifier, aux layers and draft vocabulary)."""
+    """The hidden-state cache built by ``fledge cache`` (it names the verifier, aux layers and draft vocabulary);
+    read with ``data.mode=cache``, the default."""
+    data: TrainDataConfig = field(default_factory=TrainDataConfig)
+    """``data.mode``: ``cache``, ``online`` or ``cache_first_epoch`` (which writes the cache at ``cache_dir``). Online,
+    the other ``data.*`` fields name the conversations, read as ``fledge cache`` reads them."""
+    verifier: VerifierConfig = field(default_factory=VerifierConfig)
+    """The verifier run in the training process with ``data.mode=online`` (each rank holds a replica, or spreads it
+    with ``verifier.device_map=auto``); a cache names its own."""
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    """With ``data.mode=online``, the settings ``fledge cache`` would build the cache with: the draft vocabulary
+    (``cache.draft_vocab_size``), the dtype states are rounded to (``cache.storage_dtype``) and the forward batching
+    (``cache.batch_tokens``, ``cache.max_batch_size``), so that the states are a cache's; ``cache.dir`` and
+    ``cache.device`` are not read (``cache_first_epoch`` writes to ``cache_dir``; the verifier runs on the training
+    device)."""
     output_dir: str = "runs/train"
     """Run directory: checkpoints/, metrics.jsonl, wandb/ and the final draft/."""
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -105,7 +125,8 @@ class TrainJobConfig:
 class CacheBinding:
     """The cache a run trains on, as its resolved config records it."""
 
-    path: str
+    path: str | None
+    """None when training online (no cache on disk)."""
     num_conversations: int
     num_tokens: int | None
     verifier_fingerprint: str
@@ -160,7 +181,7 @@ def run(cfg: TrainJobConfig) -> TrainResult:
     ckpt_dir = cfg.checkpoint_dir
 
     # ---- data, draft and engine
-    reader = CacheReader(cfg.cache_dir)
+    reader = open_training_data(cfg, info, device)
     train_ids, eval_reader, eval_ids = split_data(cfg, reader)
     draft, verifier_head = build_draft(reader, cfg.train)
     bucket_sampler = sampler.BucketSampler(
@@ -220,6 +241,10 @@ def run(cfg: TrainJobConfig) -> TrainResult:
             load_eval = lambda ids: sampler.collate([eval_reader[j] for j in ids], device)  # noqa: E731
         while state.step < total_steps:
             micro_batches, position = bucket_sampler.next_step(sampler.DataPosition(state.epoch, state.batch))
+            if position.epoch > 0 and isinstance(reader, FirstEpochSource) and not reader.complete:
+                paused = time.perf_counter()
+                finish_first_epoch(reader, data, info)  # data.mode=cache_first_epoch: from the cache from now on
+                window.paused += time.perf_counter() - paused
             for i, indices in enumerate(micro_batches):
                 boundary = i == len(micro_batches) - 1
                 ahead = bucket_sampler.next_step(position)[0][0] if boundary else micro_batches[i + 1]
@@ -297,7 +322,29 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def split_data(cfg: TrainJobConfig, reader: CacheReader) -> tuple[list[int], CacheReader | None, list[int]]:
+def open_training_data(cfg: TrainJobConfig, info: DistInfo, device: torch.device) -> TrainingData:
+    """The cache at ``cfg.cache_dir``, or with ``data.mode=online`` the verifier on ``device`` over the source (and
+    with ``cache_first_epoch`` that too, unless the cache at ``cfg.cache_dir`` is complete)."""
+    if cfg.data.mode == "online":
+        return OnlineSource.open(cfg.verifier, cfg.data, cfg.cache, info, device)
+    if cfg.data.mode == "cache_first_epoch":
+        return FirstEpochSource.open_or_cache(cfg.verifier, cfg.data, cfg.cache, cfg.cache_dir, info, device)
+    return CacheReader(cfg.cache_dir)
+
+
+def finish_first_epoch(reader: FirstEpochSource, data: sampler.Prefetcher, info: DistInfo) -> None:
+    """The first step past the first epoch: write the cache and read it from now on. The shards are written on the
+    data thread (the only one that runs the verifier: its capture hooks serve one forward at a time), the barriers
+    run on this one (never a collective on two threads at once)."""
+    data.call(reader.write_shards)
+    barrier()
+    if info.is_main:
+        reader.write_cache_manifest()
+    barrier()
+    data.call(reader.switch_to_cache)
+
+
+def split_data(cfg: TrainJobConfig, reader: TrainingData) -> tuple[list[int], TrainingData | None, list[int]]:
     """Training conversations, and the eval reader and conversations (the last eval.holdout, or a second cache)."""
     n = len(reader)
     if cfg.eval.holdout >= n:
@@ -324,7 +371,7 @@ def split_data(cfg: TrainJobConfig, reader: CacheReader) -> tuple[list[int], Cac
     return list(range(n)), None, []
 
 
-def build_draft(reader: CacheReader, train: TrainConfig) -> tuple[Eagle3Draft, torch.Tensor]:
+def build_draft(reader: TrainingData, train: TrainConfig) -> tuple[Eagle3Draft, torch.Tensor]:
     """A fresh draft shaped like the cache's verifier, with its embedding and the cache's draft vocabulary, and the
     verifier's head (float32) for the teacher. Only the embedding and the head are read, never the whole model; a
     verifier whose weights are not the ones the cache was made with is refused (its head would teach other
@@ -332,7 +379,8 @@ def build_draft(reader: CacheReader, train: TrainConfig) -> tuple[Eagle3Draft, t
     from transformers import AutoConfig
 
     verifier_dir = reader.verifier_dir
-    check_fingerprint(verifier_dir, reader.manifest["verifier"]["fingerprint"], f"the cache {reader.path}")
+    origin = f"the cache {reader.path}" if reader.path else "the online data"
+    check_fingerprint(verifier_dir, reader.manifest["verifier"]["fingerprint"], origin)
     d2t, t2d = reader.draft_vocab()
     config = Eagle3Config.from_verifier(
         AutoConfig.from_pretrained(verifier_dir), draft_vocab_size=int(d2t.numel()),
@@ -340,7 +388,7 @@ def build_draft(reader: CacheReader, train: TrainConfig) -> tuple[Eagle3Draft, t
     )
     if config.target_hidden_size != int(reader.manifest["hidden_size"]):
         raise MismatchError(
-            f"{reader.path}: cached hidden size {reader.manifest['hidden_size']} != verifier's {config.target_hidden_size}"
+            f"{origin}: cached hidden size {reader.manifest['hidden_size']} != verifier's {config.target_hidden_size}"
         )
     draft = Eagle3Draft(config, seed=train.seed)
     embed, head = load_embed_and_head(verifier_dir)
@@ -356,7 +404,7 @@ def build_draft(reader: CacheReader, train: TrainConfig) -> tuple[Eagle3Draft, t
     return draft, head.float().contiguous()
 
 
-def resolved_config(cfg: TrainJobConfig, reader: CacheReader, world_size: int) -> dict[str, Any]:
+def resolved_config(cfg: TrainJobConfig, reader: TrainingData, world_size: int) -> dict[str, Any]:
     """The config as a plain dict plus what the run is bound to (``RunBinding``: world size, the cache's identity),
     as checkpoints save it and a resume compares it."""
     from omegaconf import OmegaConf
@@ -365,7 +413,7 @@ def resolved_config(cfg: TrainJobConfig, reader: CacheReader, world_size: int) -
     binding = RunBinding(
         world_size=world_size,
         cache=CacheBinding(
-            path=str(reader.path),
+            path=str(reader.path) if reader.path else None,
             num_conversations=len(reader),
             num_tokens=m.get("num_tokens"),
             verifier_fingerprint=m["verifier"]["fingerprint"],
@@ -374,13 +422,13 @@ def resolved_config(cfg: TrainJobConfig, reader: CacheReader, world_size: int) -
     return {**OmegaConf.to_container(OmegaConf.structured(cfg)), **asdict(binding)}
 
 
-def draft_meta(reader: CacheReader, cfg: TrainJobConfig) -> dict[str, Any]:
+def draft_meta(reader: TrainingData, cfg: TrainJobConfig) -> dict[str, Any]:
     m = reader.manifest
     return {
         "format": "fledge-draft-1",
         "verifier": {k: m["verifier"].get(k) for k in ("name", "path", "fingerprint")},
         "aux_layer_ids": list(m["aux_layer_ids"]),
-        "cache": str(reader.path),
+        "cache": str(reader.path) if reader.path else None,
         "ttt_steps": cfg.ttt.ttt_steps,
     }
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 import numpy as np
 import torch
@@ -24,6 +24,10 @@ from fledge.core.errors import ConfigError
 
 if TYPE_CHECKING:
     from fledge.data.cache import CacheReader
+    from fledge.data.online import OnlineSource
+
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -204,7 +208,8 @@ def collate(samples: list[dict[str, torch.Tensor]], device: torch.device | str =
 
 
 class Prefetcher:
-    """Micro-batches of a cache, read and padded one ahead on a background thread while the current one trains.
+    """Micro-batches of a cache, read and padded one ahead on a background thread while the current one trains (or,
+    online, computed by the verifier there: ``data/online.py``).
 
     The caller names every micro-batch (``next(indices, ahead)``: this one, and the one to read meanwhile), so the
     data order, and with it the resume position, is exactly the sampler's. One thread makes every read of
@@ -213,14 +218,14 @@ class Prefetcher:
     the copy lands on the stream the forward runs on, so no stream bookkeeping is needed.
     """
 
-    def __init__(self, reader: CacheReader, device: torch.device | str) -> None:
+    def __init__(self, reader: CacheReader | OnlineSource, device: torch.device | str) -> None:
         self.reader = reader
         self.device = torch.device(device)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fledge-data")
         self._ahead: tuple[list[int], Future] | None = None
 
     def _read(self, indices: list[int]) -> dict[str, torch.Tensor]:
-        return pad_batch([self.reader[j] for j in indices], pin_memory=self.device.type == "cuda")
+        return pad_batch(self.reader.rows(indices), pin_memory=self.device.type == "cuda")
 
     def next(self, indices: list[int], ahead: list[int] | None = None) -> dict[str, torch.Tensor]:
         """Micro-batch ``indices`` on the device (already read if it was the previous call's ``ahead``); ``ahead``
@@ -235,6 +240,11 @@ class Prefetcher:
     def read(self, indices: list[int]) -> dict[str, torch.Tensor]:
         """One micro-batch now (held-out evaluation), leaving the read-ahead in place."""
         return to_device(self._pool.submit(self._read, indices).result(), self.device)
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """``fn()`` on the data thread, after the reads queued before it (``data.mode=cache_first_epoch`` writes its
+        shards there: the thread that runs the verifier)."""
+        return self._pool.submit(fn).result()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
