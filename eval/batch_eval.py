@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from fledge.eval.batch import generate_batch
 from fledge.eval.metrics import AcceptanceTrace, bootstrap_interval, median, pooled_tau, summarize
@@ -75,15 +76,19 @@ def evaluate_batched(
         plain_seconds: list[float] = []
         rows: dict[str, list[DecodeResult]] = {name: [] for name, _ in drafters}
         seconds: dict[str, list[float]] = {name: [] for name, _ in drafters}
+        bar = tqdm(total=len(encoded) * (1 + len(drafters)), desc=f"eval batch {size}", unit="decode")
         for group in groups:
             prompts = [ids for _, ids in group]
             results, elapsed = run(prompts, None, cfg.max_new_tokens)
             plain += results
             plain_seconds.append(elapsed)
+            bar.update(len(prompts))
             for name, _ in drafters:
                 results, elapsed = run(prompts, name, cfg.max_new_tokens)
                 rows[name] += results
                 seconds[name].append(elapsed)
+                bar.update(len(prompts))
+        bar.close()
         plain_tokens = sum(len(r.tokens) for r in plain)
         entry: dict[str, Any] = {
             "batch_size": size,
@@ -174,6 +179,7 @@ def plot_batch(report: dict[str, Any], path: Path) -> None:
         ax.set_title(title)
         ax.grid(alpha=0.3)
     left.legend(fontsize=8)
+    right.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -136,9 +136,10 @@ def _log_wandb(cfg: EvalJobConfig, report: dict[str, Any]) -> None:
                     continue
                 prefix = f"{set_name}/{name}"
                 run.summary.update({f"{prefix}/tau": d["tau"], f"{prefix}/speedup": d["speedup"],
-                                    f"{prefix}/predicted_speedup": d["predicted_speedup"],
                                     f"{prefix}/tau_interval": d["tau_interval"],
                                     f"{prefix}/speedup_interval": d["speedup_interval"]})
+                if "predicted_speedup" in d:  # the batch-1 loop's cost model; a batch sweep has none
+                    run.summary.update({f"{prefix}/predicted_speedup": d["predicted_speedup"]})
                 if "greedy_match_rate" in d:
                     run.summary.update({f"{prefix}/greedy_exact": d["greedy_exact"],
                                         f"{prefix}/greedy_ties": d["greedy_tie_count"],
@@ -147,7 +148,17 @@ def _log_wandb(cfg: EvalJobConfig, report: dict[str, Any]) -> None:
                 for depth, (a, c) in enumerate(zip(d["n_alpha"], d["cumulative_acceptance"]), start=1):
                     table.add_data(depth, a, c)
                 run.log({f"{prefix}/acceptance": table})
-        if (out / "acceptance.png").is_file():
-            run.log({"acceptance_curves": wandb.Image(str(out / "acceptance.png"))})
+        for set_name, by_size in (report.get("batch_sweep") or {}).items():
+            # One row per batch size: speed-up over plain decoding at that size, and throughput.
+            for size, entry in by_size.items():
+                row = {"batch_size": int(size), f"{set_name}/plain/tokens_per_s": entry["plain"]["tokens_per_s"]}
+                for name, d in entry["drafters"].items():
+                    row.update({f"{set_name}/{name}/batch_speedup": d["speedup"],
+                                f"{set_name}/{name}/batch_tokens_per_s": d["tokens_per_s"],
+                                f"{set_name}/{name}/batch_tau": d["tau"]})
+                run.log(row)
+        for key, name in (("acceptance_curves", "acceptance.png"), ("speedup_vs_batch", "speedup_vs_batch.png")):
+            if (out / name).is_file():
+                run.log({key: wandb.Image(str(out / name))})
     finally:
         run.finish()

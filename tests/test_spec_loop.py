@@ -587,6 +587,14 @@ def test_evaluate_sweeps_batch_sizes_into_a_table_and_a_plot(tiny_verifier_dir, 
     assert sum(line.startswith("batch_speedup toy/eagle B=") for line in batch_figures(report)) == 3
     assert (tmp_path / "eval" / "speedup_vs_batch.png").stat().st_size > 0
     assert json.loads((tmp_path / "eval" / "report.json").read_text())["batch_sweep"]["toy"]["2"]["drafters"]
+    # what fledge eval logs to wandb (offline): a row per batch size with each drafter's speed-up
+    from fledge.eval.eval_job import EvalJobConfig, _log_wandb
+    from wandb_reader import read_wandb_history
+
+    _log_wandb(EvalJobConfig(wandb_mode="offline", eval=cfg), report)
+    rows = [r for r in read_wandb_history(tmp_path / "eval") if "batch_size" in r]
+    assert [r["batch_size"] for r in rows] == [1, 2, 3]
+    assert [r["toy/eagle/batch_speedup"] for r in rows] == [sweep[s]["drafters"]["eagle"]["speedup"] for s in sweep]
 
 
 @pytest.mark.parametrize("bad", [0, -4, "[1,0]", "many", [2.5]])
