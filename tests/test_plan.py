@@ -20,6 +20,7 @@ from fledge.launch.cli import compose_config
 from fledge.models.draft import Eagle3Config, Eagle3Draft
 from fledge.models.shapes import KNOWN_SHAPES, VerifierShape, read_gguf_header, resolve_shape, shape_from_gguf
 from fledge.models.verifier import VerifierConfig, embedded_gguf
+from fledge.train.bench import synthetic_head, synthetic_states
 from fledge.train.config import TrainConfig
 from fledge.train.engine import EngineConfig, TorchEngine, TTTModule
 from fledge.train.plan import (
@@ -52,19 +53,10 @@ def tiny(heads: int = 4, kv_heads: int = 2, hidden: int = 64, head_dim: int = 24
 
 
 def synthetic(c: Eagle3Config, b: int, t: int, seed: int = 0) -> tuple[Eagle3Draft, torch.Tensor, dict]:
+    """The inputs `fledge bench train` and `fledge bench plan` measure: every position counted."""
     gen = torch.Generator().manual_seed(seed)
     draft = Eagle3Draft(c, seed=seed)
-    # rows outside the identity draft vocabulary scaled down: the teacher's top-1 is in it, every position counts
-    head = torch.randn(c.vocab_size, c.target_hidden_size, generator=gen) * 0.02
-    head[c.draft_vocab_size :] *= 0.01
-    batch = {
-        "input_ids": torch.randint(0, c.vocab_size, (b, t), generator=gen),
-        "loss_mask": torch.ones(b, t, dtype=torch.int64),
-        "attention_mask": torch.ones(b, t, dtype=torch.int64),
-        "aux": torch.randn(b, t, 3 * c.target_hidden_size, generator=gen),
-        "final": torch.randn(b, t, c.target_hidden_size, generator=gen),
-    }
-    return draft, head, batch
+    return draft, synthetic_head(c, gen), synthetic_states(c, b, t, gen)
 
 
 def saved_by_autograd(loss: torch.Tensor, known: set[int]) -> int:

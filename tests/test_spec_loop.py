@@ -589,6 +589,7 @@ def test_evaluate_sweeps_batch_sizes_into_a_table_and_a_plot(tiny_verifier_dir, 
     assert json.loads((tmp_path / "eval" / "report.json").read_text())["batch_sweep"]["toy"]["2"]["drafters"]
     # what fledge eval logs to wandb (offline): a row per batch size with each drafter's speed-up
     from fledge.eval.eval_job import EvalJobConfig, _log_wandb
+
     from wandb_reader import read_wandb_history
 
     _log_wandb(EvalJobConfig(wandb_mode="offline", eval=cfg), report)

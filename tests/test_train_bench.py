@@ -8,7 +8,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from fledge.launch.cli import run_stage
 from fledge.models.draft import Eagle3Draft
-from fledge.train.bench import TrainBenchConfig, counted_positions, synthetic_batch, train_step_flops
+from fledge.train.bench import TrainBenchConfig, counted_positions, synthetic_batch, synthetic_head, train_step_flops
 from fledge.train.engine import TTTModule
 from fledge.train.ttt import TTTConfig
 
@@ -21,8 +21,7 @@ def test_flop_count_matches_torch_flop_counter():
     config = cfg.draft_config()
     gen = torch.Generator().manual_seed(0)
     draft = Eagle3Draft(config, seed=0)
-    head = torch.randn(cfg.vocab_size, cfg.target_hidden_size, generator=gen) * 0.02
-    head[cfg.draft_vocab_size :] *= 0.01
+    head = synthetic_head(config, gen)
     module = TTTModule(draft, head, TTTConfig(ttt_steps=cfg.ttt_steps))
     batch = synthetic_batch(cfg, gen)
     with FlopCounterMode(display=False) as counter:

@@ -176,16 +176,30 @@ def matmul_peak(dtype: torch.dtype, n: int, reps: int = 8, device: torch.device 
     return 2 * n**3 / best
 
 
-def synthetic_batch(cfg: TrainBenchConfig, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    """A batch of random token ids and states on the CPU (drawn from ``gen``, so the same on every device)."""
-    b, t = cfg.batch_size, cfg.seq_len
+def synthetic_head(config: Eagle3Config, gen: torch.Generator) -> torch.Tensor:
+    """A verifier head for the identity draft vocabulary (the first ``draft_vocab_size`` ids): the rows outside it
+    are scaled down so that the teacher's top-1 always lies inside it and every position is counted, as on a
+    well-chosen vocabulary (and the worst case for memory and FLOPs)."""
+    head = torch.randn(config.vocab_size, config.target_hidden_size, generator=gen) * 0.02
+    head[config.draft_vocab_size :] *= 0.01
+    return head
+
+
+def synthetic_states(config: Eagle3Config, b: int, t: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """A batch of ``b`` x ``t`` random token ids and verifier states on the CPU (drawn from ``gen``, so the same on
+    every device)."""
     return {
-        "input_ids": torch.randint(0, cfg.vocab_size, (b, t), generator=gen),
+        "input_ids": torch.randint(0, config.vocab_size, (b, t), generator=gen),
         "loss_mask": torch.ones(b, t, dtype=torch.int64),
         "attention_mask": torch.ones(b, t, dtype=torch.int64),
-        "aux": torch.randn(b, t, 3 * cfg.target_hidden_size, generator=gen),
-        "final": torch.randn(b, t, cfg.target_hidden_size, generator=gen),
+        "aux": torch.randn(b, t, 3 * config.target_hidden_size, generator=gen),
+        "final": torch.randn(b, t, config.target_hidden_size, generator=gen),
     }
+
+
+def synthetic_batch(cfg: TrainBenchConfig, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """The bench's batch: ``synthetic_states`` at ``cfg.batch_size`` x ``cfg.seq_len``."""
+    return synthetic_states(cfg.draft_config(), cfg.batch_size, cfg.seq_len, gen)
 
 
 def counted_positions(cfg: TrainBenchConfig) -> list[int]:
@@ -205,10 +219,7 @@ def bench_dtype(
     config = cfg.draft_config()
     gen = torch.Generator().manual_seed(cfg.seed)
     draft = Eagle3Draft(config, seed=cfg.seed)
-    # The identity draft vocabulary (the first draft_vocab_size ids); the head rows outside it are scaled down so
-    # that the teacher's top-1 always lies inside it and every position is counted, as on well-chosen vocabularies.
-    head = torch.randn(cfg.vocab_size, cfg.target_hidden_size, generator=gen) * 0.02
-    head[cfg.draft_vocab_size :] *= 0.01
+    head = synthetic_head(config, gen)
     module = TTTModule(draft, head, TTTConfig(ttt_steps=cfg.ttt_steps))
     total = cfg.warmup + cfg.steps
     engine = TorchEngine(

@@ -213,6 +213,7 @@ def _measured_step(spec: dict[str, Any]) -> dict[str, Any]:
 
     from fledge.core.dist import DistInfo
     from fledge.models.draft import Eagle3Draft
+    from fledge.train.bench import synthetic_head, synthetic_states
     from fledge.train.config import TrainConfig
     from fledge.train.engine import EngineConfig, TorchEngine, TTTModule
     from fledge.train.ttt import TTTConfig
@@ -224,17 +225,9 @@ def _measured_step(spec: dict[str, Any]) -> dict[str, Any]:
     b, t = spec["batch"], spec["seq_len"]
     gen = torch.Generator().manual_seed(spec["seed"])
     draft = Eagle3Draft(config, seed=spec["seed"])
-    # As `fledge bench train`: the head rows outside the identity draft vocabulary are scaled down, so the teacher's
-    # top-1 lies inside it and every position is counted (the plan's worst case).
-    head = torch.randn(config.vocab_size, config.target_hidden_size, generator=gen) * 0.02
-    head[config.draft_vocab_size :] *= 0.01
-    batch = {
-        "input_ids": torch.randint(0, config.vocab_size, (b, t), generator=gen),
-        "loss_mask": torch.ones(b, t, dtype=torch.int64),
-        "attention_mask": torch.ones(b, t, dtype=torch.int64),
-        "aux": torch.randn(b, t, 3 * config.target_hidden_size, generator=gen),
-        "final": torch.randn(b, t, config.target_hidden_size, generator=gen),
-    }
+    # As `fledge bench train`: every position counted (the plan's worst case).
+    head = synthetic_head(config, gen)
+    batch = synthetic_states(config, b, t, gen)
     engine = TorchEngine(
         TTTModule(draft, head, TTTConfig(ttt_steps=spec["ttt_steps"])),
         TrainConfig(max_steps=2, dtype="fp32", warmup_steps=0), EngineConfig(), DistInfo(), torch.device("cpu"), 2,
