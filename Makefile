@@ -21,7 +21,7 @@ setup: $(STAMP)
 quickstart: $(STAMP)
 	$(BIN)/fledge quickstart
 
-# Everything, the multi-process and kill/resume tests included (~10 min on 2 cores).
+# Everything, the multi-process and kill/resume tests included (~13 min on 2 cores).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
