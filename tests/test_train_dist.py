@@ -16,7 +16,6 @@ import re
 import signal
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,7 @@ from safetensors.torch import load_file
 from fledge.models.draft_folder import complete_checkpoints, load_draft
 
 from conftest import read_jsonl
-from test_train_fixtures import REPO, build_cache, cli_command, cli_env, run_cli, shared_root, train_overrides
+from test_train_fixtures import REPO, build_cache, cli_command, cli_env, run_cli, shared_root, train_overrides, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -153,9 +152,7 @@ def test_a_signal_to_one_rank_stops_both_at_the_same_step_and_the_run_resumes(ca
     args = train_overrides(cache, out, **{**COMMON, "engine.kind": "ddp", "checkpoint.every": 1})
     p = subprocess.Popen(cli_command(args, nproc=2), cwd=REPO, env=cli_env(), stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 300
-    while not (out / "checkpoints" / "step-000001").is_dir() and p.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
+    wait_for(out / "checkpoints" / "step-000001", p)
     workers = [w for w in psutil.Process(p.pid).children(recursive=True) if w.environ().get("RANK") == "1"]
     assert len(workers) == 1, workers
     os.kill(workers[0].pid, signal.SIGUSR1)

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -113,6 +114,14 @@ def cli_command(args: list[str], nproc: int = 1, launcher: str = "torchrun", por
 def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     # One thread per process: the same arithmetic in every run (bitwise comparisons) and no oversubscription.
     return {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", **(extra or {})}
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
+    """Until ``path`` exists (the checkpoint a test signals or kills the run after), ``proc`` ends or ``timeout``
+    seconds pass."""
+    deadline = time.time() + timeout
+    while not path.is_dir() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
 
 
 def run_cli(

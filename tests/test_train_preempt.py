@@ -23,7 +23,7 @@ from fledge.train import sampler
 from fledge.train.stopping import SIGNAL, TIME_LIMIT, Preempted, PreemptionSignals, stop_reason
 
 from conftest import read_jsonl
-from test_train_fixtures import REPO, build_cache, cli_env, shared_root, train_overrides
+from test_train_fixtures import REPO, build_cache, cli_env, shared_root, train_overrides, wait_for
 
 RUN = {"train.max_steps": 6, "train.grad_accum": 2, "train.lr": 1e-2, "train.warmup_steps": 1, "ttt.ttt_steps": 2,
        "checkpoint.every": 2, "checkpoint.keep_last": 3, "eval.every": 2, "eval.holdout": 4}
@@ -119,9 +119,7 @@ def test_slurm_script_passes_the_notice_on_to_training_and_requeues_the_job(cach
                    "MASTER_PORT": "29573", "REQUEUED": str(tmp_path / "requeued")})
     p = subprocess.Popen(["bash", str(REPO / "launch" / "slurm.sbatch"), *args], cwd=tmp_path, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 300
-    while not (run / "checkpoints" / "step-000002").is_dir() and p.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
+    wait_for(run / "checkpoints" / "step-000002", p)
     p.send_signal(signal.SIGUSR1)
     out, _ = p.communicate(timeout=300)
     stopped = re.search(r"preempted by SIGUSR1 at step (\d+) of 12", out)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ from safetensors.torch import load_file
 from fledge.models.draft_folder import complete_checkpoints
 
 from conftest import read_jsonl
-from test_train_fixtures import REPO, build_cache, cli_command, cli_env, run_cli, shared_root, train_overrides
+from test_train_fixtures import REPO, build_cache, cli_command, cli_env, run_cli, shared_root, train_overrides, wait_for
 
 RUN = {"train.max_steps": 10, "train.lr": 1e-2, "train.warmup_steps": 2, "checkpoint.every": 2,
        "checkpoint.keep_last": 2, "eval.every": 4, "eval.holdout": 4, "ttt.ttt_steps": 2}
@@ -68,9 +67,7 @@ def test_kill9_anywhere_then_resume_is_bitwise_equal(cache, reference, tmp_path)
 
     # 2. Resumed from step 2, then SIGKILLed from outside while training, as soon as step 4 is saved.
     p = subprocess.Popen(cli_command(args), cwd=REPO, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.time() + 300
-    while not (ckpts / "step-000004").is_dir() and p.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
+    wait_for(ckpts / "step-000004", p)
     p.send_signal(signal.SIGKILL)
     _, err = p.communicate(timeout=60)
     assert p.returncode == -signal.SIGKILL, err.decode()[-3000:]
@@ -90,9 +87,7 @@ def test_sigterm_saves_at_a_step_boundary_exits_0_and_resumes_bitwise(cache, ref
     ckpts = run / "checkpoints"
     p = subprocess.Popen(cli_command(args), cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True)
-    deadline = time.time() + 300
-    while not (ckpts / "step-000002").is_dir() and p.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
+    wait_for(ckpts / "step-000002", p)
     p.send_signal(signal.SIGTERM)
     out, _ = p.communicate(timeout=300)
     stopped = re.search(r"preempted by SIGTERM at step (\d+) of 10: saved ([^;]+);", out)
