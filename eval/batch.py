@@ -9,8 +9,9 @@ own committed columns and, in the block, its own causal chain or tree ancestry),
 compaction of each row on its own. Finished rows leave the batch (the cache keeps only the active rows), so no
 compute is spent on them, and padding never reaches a real token's attention.
 
-Drafters keep one instance per row (their own caches); they propose row by row, so a drafter's cost grows with B
-here, where a serving engine would batch the draft's forward too: the report says so next to each speed-up.
+Drafters propose for the whole batch through ``eval/batch_draft.py``: the EAGLE-3 draft (alone or in the hybrid) runs
+one batched forward per draft step over its own ragged KV cache, as a serving engine does; other drafters keep one
+instance per row and propose row by row.
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from fledge.eval.batch_draft import BatchDrafter, batch_drafter
 from fledge.eval.proposals import Drafter, TreeShape
+from fledge.eval.ragged import committed_columns, move_kept
 from fledge.eval.sampling import leviathan_accept
-from fledge.eval.tree import empty_tree, sliding_window_of, walk_greedy, walk_sampled
+from fledge.eval.tree import sliding_window_of, walk_greedy, walk_sampled
 from fledge.eval.verifier_state import DecodeResult, clock, pick_token, stop_index
 from fledge.models.capture import Captured, capture_hidden
 from fledge.models.sampling import SamplingParams, target_probs
@@ -74,7 +77,7 @@ class BatchedVerifierState:
         batch, q = block_positions.shape
         width = self.width
         cols = torch.arange(width, device=self.device)
-        committed = (cols[None, :] >= self.starts[:, None]) & (cols[None, :] < self.ends[:, None])  # [B, width]
+        committed = committed_columns(self.starts, self.ends, width)
         visible = torch.cat([committed[:, None, :].expand(batch, q, width), visible_block], dim=2)
         if self.window is not None:
             key_pos = torch.cat([cols[None, :] - self.starts[:, None], block_positions], dim=1)  # [B, width + q]
@@ -145,21 +148,8 @@ class BatchedVerifierState:
     def commit(self, kept: list[list[int]]) -> None:
         """Row i keeps the entries ``kept[i]`` (offsets into the last block, ascending; 0 is its root) after its
         committed ones; everything else of the block is dropped. One indexed copy per layer moves all rows."""
-        rows = [i for i, k in enumerate(kept) for _ in k]
-        offsets = [j for k in kept for j in k]
-        counts = torch.tensor([len(k) for k in kept], dtype=torch.long, device=self.device)
-        if rows:
-            row_idx = torch.tensor(rows, device=self.device)
-            src = torch.tensor(offsets, device=self.device) + self._block_start
-            # Destination: each row's end, then on, in order.
-            first = torch.cumsum(counts, 0) - counts
-            rank = torch.arange(len(rows), device=self.device) - first[row_idx]
-            dst = self.ends[row_idx] + rank
-            for layer in self.cache.layers:
-                # Advanced indexing reads before it writes: overlapping source and destination are safe.
-                layer.keys[row_idx, :, dst, :] = layer.keys[row_idx, :, src, :]
-                layer.values[row_idx, :, dst, :] = layer.values[row_idx, :, src, :]
-        self.ends = self.ends + counts
+        self.ends = move_kept([(layer.keys, layer.values) for layer in self.cache.layers], self.ends,
+                              self._block_start, kept)
         extra = self.width - int(self.ends.max())
         if extra > 0:
             self.cache.crop(-extra)
@@ -219,7 +209,8 @@ def generate_batch(
     speculative = method != "plain"
     if speculative and (drafters is None or len(drafters) != len(prompts)):
         raise ValueError("speculative batches need one drafter per prompt")
-    needs_aux = speculative and drafters[0].needs_aux
+    batch = batch_drafter(drafters) if speculative else None
+    needs_aux = batch is not None and batch.needs_aux
     if needs_aux and not aux_layer_ids:
         raise ValueError("these drafters read the verifier's aux hidden states: pass aux_layer_ids")
     device = model.get_input_embeddings().weight.device
@@ -227,20 +218,24 @@ def generate_batch(
     start = clock(device)
     with BatchedVerifierState(model, aux_layer_ids if needs_aux else None) as state:
         auxes = state.prefill(prompts)
-        if speculative:
-            for drafter, prompt, aux in zip(drafters, prompts, auxes):
-                drafter.start(prompt.cpu(), aux)
+        if batch is not None:
+            batch.start([p.cpu() for p in prompts], auxes)
         roots = [int(p[-1]) for p in prompts]
         active = list(range(len(prompts)))
         step: Callable = _plain_round if not speculative else (_chain_round if method == "chain" else _tree_round)
         while active:
-            finished = step(state, active, roots, results, drafters, num_draft_tokens, shape, max_new_tokens,
-                            sampling, stop_ids, generator)
-            if finished:
-                keep = [i for i, r in enumerate(active) if r not in finished]
+            updates = step(state, active, roots, results, batch, num_draft_tokens, shape, max_new_tokens,
+                           sampling, stop_ids, generator)
+            keep = [i for i, update in enumerate(updates) if update is not None]
+            if len(keep) < len(active):
                 active = [active[i] for i in keep]
-                if active:
-                    state.keep_rows(keep)
+                if not active:
+                    break
+                state.keep_rows(keep)
+                if batch is not None:
+                    batch.keep_rows(keep)
+            if batch is not None:
+                batch.advance([updates[i] for i in keep])
     seconds = clock(device) - start
     for r in results:
         r.tokens = r.tokens[: stop_index(r.tokens, stop_ids, max_new_tokens)]
@@ -251,23 +246,24 @@ def _done(tokens: list[int], new: list[int], stop_ids: frozenset[int], max_new_t
     return len(tokens) >= max_new_tokens or not stop_ids.isdisjoint(new)
 
 
-def _plain_round(state, active, roots, results, drafters, n, shape, max_new_tokens, sampling, stop_ids, generator):
+def _plain_round(state, active, roots, results, batch, n, shape, max_new_tokens, sampling, stop_ids, generator):
+    """Returns, per active row, None when it finished and otherwise what its drafter must commit (here: nothing)."""
     logits, _ = state.forward([torch.tensor([roots[r]]) for r in active])
     state.commit([[0] for _ in active])
-    finished = set()
+    updates = []
     picked = torch.argmax(logits[:, 0], dim=-1).tolist() if sampling.greedy else None  # one transfer for all rows
     for i, r in enumerate(active):
         token = picked[i] if picked is not None else pick_token(logits[i, 0], sampling, generator)
         results[r].tokens.append(token)
         roots[r] = token
-        if _done(results[r].tokens, [token], stop_ids, max_new_tokens):
-            finished.add(r)
-    return finished
+        updates.append(None if _done(results[r].tokens, [token], stop_ids, max_new_tokens) else ())
+    return updates
 
 
-def _chain_round(state, active, roots, results, drafters, n, shape, max_new_tokens, sampling, stop_ids, generator):
-    drafts = [drafters[r].propose_chain(min(n, max_new_tokens - len(results[r].tokens) - 1), sampling, generator)
-              for r in active]
+def _chain_round(state, active, roots, results, batch: BatchDrafter, n, shape, max_new_tokens, sampling, stop_ids,
+                 generator):
+    drafts = batch.propose_chains([min(n, max_new_tokens - len(results[r].tokens) - 1) for r in active], sampling,
+                                  generator)
     inputs = [torch.cat([torch.tensor([roots[r]]), d.tokens.cpu()]) for r, d in zip(active, drafts)]
     logits, aux = state.forward(inputs)
     outcomes = []
@@ -283,7 +279,7 @@ def _chain_round(state, active, roots, results, drafters, n, shape, max_new_toke
             accepted, next_token = leviathan_accept(target_probs(logits[i, : k + 1], sampling), tokens, q, generator)
         outcomes.append((accepted, next_token))
     state.commit([list(range(a + 1)) for a, _ in outcomes])
-    finished = set()
+    updates = []
     for i, (r, d, (accepted, next_token)) in enumerate(zip(active, drafts, outcomes)):
         new = d.tokens[:accepted].tolist() + [next_token]
         result = results[r]
@@ -292,19 +288,16 @@ def _chain_round(state, active, roots, results, drafters, n, shape, max_new_toke
         result.proposed.append(int(d.tokens.numel()))
         result.tree_nodes.append(int(d.tokens.numel()))
         roots[r] = next_token
-        if _done(result.tokens, new, stop_ids, max_new_tokens):
-            finished.add(r)
-        else:
-            drafters[r].advance(torch.tensor(new), None if aux is None else aux[i, : accepted + 1])
-    return finished
+        done = _done(result.tokens, new, stop_ids, max_new_tokens)
+        updates.append(None if done else (torch.tensor(new), None if aux is None else aux[i, : accepted + 1]))
+    return updates
 
 
-def _tree_round(state, active, roots, results, drafters, n, shape, max_new_tokens, sampling, stop_ids, generator):
-    trees = []
-    for r in active:
-        budget = max_new_tokens - len(results[r].tokens) - 1
-        trees.append(drafters[r].propose_tree(dataclasses.replace(shape, depth=min(shape.depth, budget)), sampling,
-                                              generator) if budget > 0 else empty_tree())
+def _tree_round(state, active, roots, results, batch: BatchDrafter, n, shape, max_new_tokens, sampling, stop_ids,
+                generator):
+    budgets = [max_new_tokens - len(results[r].tokens) - 1 for r in active]
+    trees = batch.propose_trees([dataclasses.replace(shape, depth=min(shape.depth, b)) if b > 0 else None
+                                 for b in budgets], sampling, generator)
     inputs = [torch.cat([torch.tensor([roots[r]]), t.tokens.cpu()]) for r, t in zip(active, trees)]
     logits, aux = state.forward(inputs, [t.parents for t in trees])
     walks = []
@@ -312,7 +305,7 @@ def _tree_round(state, active, roots, results, drafters, n, shape, max_new_token
         rows = logits[i, : t.size + 1]
         walks.append(walk_greedy(rows, t) if sampling.greedy else walk_sampled(rows, t, sampling, generator))
     state.commit([[0] + [node + 1 for node in path] for path, _ in walks])
-    finished = set()
+    updates = []
     for i, (r, t, (path, next_token)) in enumerate(zip(active, trees, walks)):
         new = t.tokens[path].tolist() + [next_token]
         result = results[r]
@@ -322,11 +315,11 @@ def _tree_round(state, active, roots, results, drafters, n, shape, max_new_token
         result.tree_nodes.append(t.size)
         roots[r] = next_token
         if _done(result.tokens, new, stop_ids, max_new_tokens):
-            finished.add(r)
+            updates.append(None)
         else:
             rows = torch.tensor([0] + [node + 1 for node in path], device=state.device)
-            drafters[r].advance(torch.tensor(new), None if aux is None else aux[i, rows])
-    return finished
+            updates.append((torch.tensor(new), None if aux is None else aux[i, rows]))
+    return updates
 
 
 __all__ = ["BatchedVerifierState", "generate_batch"]

@@ -12,7 +12,7 @@ to be tried); row 0 of the verifier input is the root (the newest committed toke
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Generator, Protocol
 
 import torch
 
@@ -138,10 +138,35 @@ def _to_target(stepper: DraftStepper, draft_ids: torch.Tensor) -> torch.Tensor:
     return draft_ids if stepper.draft_to_target is None else stepper.draft_to_target[draft_ids]
 
 
+ExpandRequest = tuple[list[int], torch.Tensor]
+"""What a proposal asks of its stepper next: ``expand(parent_slots, tokens)``."""
+Steps = Generator[ExpandRequest, tuple[torch.Tensor, list[int]], "ChainDraft | DraftTree"]
+"""A proposal written as a generator: it yields each expand request and is sent the stepper's answer, so that one
+driver can serve it from a single stepper (``drive``) and another can serve many rows in one batched forward
+(``eval/batch_draft.py``)."""
+
+
+def drive(steps: Steps, expand: Callable[[list[int], torch.Tensor], tuple[torch.Tensor, list[int]]]):
+    """Run a proposal generator against one stepper's ``expand``; returns the proposal."""
+    try:
+        request = next(steps)
+        while True:
+            request = steps.send(expand(*request))
+    except StopIteration as done:
+        return done.value
+
+
 def propose_chain_with(
     stepper: DraftStepper, n: int, sampling: SamplingParams, generator: torch.Generator | None,
     min_prob: float = 0.0, rank_top_k: int = 0,
 ) -> ChainDraft:
+    return drive(chain_steps(stepper, n, sampling, generator, min_prob, rank_top_k), stepper.expand)
+
+
+def chain_steps(
+    stepper: DraftStepper, n: int, sampling: SamplingParams, generator: torch.Generator | None,
+    min_prob: float = 0.0, rank_top_k: int = 0,
+) -> Steps:
     """Up to n drafts, each fed back as the input of the next: argmax when greedy, else sampled from q (temperature).
 
     With ``min_prob`` the chain ends before a position where the draft's most likely token has less probability
@@ -158,7 +183,7 @@ def propose_chain_with(
     temperature = 1.0 if sampling.greedy else sampling.temperature
     for i in range(n):
         if i:
-            step_logits, (slot,) = stepper.expand([slot], _to_target(stepper, draft_ids[-1]))
+            step_logits, (slot,) = yield [slot], _to_target(stepper, draft_ids[-1])
             logits = step_logits[0]
         q = draft_probs(logits, temperature) if (min_prob > 0 or not sampling.greedy) else None
         if min_prob > 0 and float(q.max()) < min_prob:
@@ -202,6 +227,12 @@ def _children(
 def grow_tree(
     stepper: DraftStepper, shape: TreeShape, sampling: SamplingParams, generator: torch.Generator | None
 ) -> DraftTree:
+    return drive(tree_steps(stepper, shape, sampling, generator), stepper.expand)
+
+
+def tree_steps(
+    stepper: DraftStepper, shape: TreeShape, sampling: SamplingParams, generator: torch.Generator | None
+) -> Steps:
     """EAGLE-2's dynamic tree: expand the top-k nodes of each level by path confidence (cumulative draft log
     probability), then rerank every node grown to ``shape.total_tokens``.
 
@@ -230,7 +261,7 @@ def grow_tree(
         order = torch.sort(level_scores, descending=True, stable=True).indices[: shape.top_k]
         expanded = (order + level_start).tolist()
         parent_slots = [slot_of[p] for p in level_parents[order].tolist()]
-        logits, slots = stepper.expand(parent_slots, _to_target(stepper, level_tokens[order]))
+        logits, slots = yield parent_slots, _to_target(stepper, level_tokens[order])
         slot_of.update(zip(expanded, slots))
         logq = torch.log_softmax(logits.float() / temperature, dim=-1)
         if sampled:

@@ -241,10 +241,12 @@ def test_eagle_drafter_is_exact(verifier, method):
 REPEATING = torch.tensor([3, 9, 4, 3, 9, 4, 3, 9])  # the lookup finds its last n-grams earlier: it proposes at once
 
 
+@pytest.mark.parametrize("batch_size", [1, 30])
 @pytest.mark.parametrize("method", ["chain", "tree"])
-def test_hybrid_drafter_is_exact(verifier, method):
+def test_hybrid_drafter_is_exact(verifier, method, batch_size):
     """Draft and prompt lookup in one proposal: the lookup continuation (deterministic) where the last n-gram
-    occurred before, the draft's proposal (a chain, or EAGLE-2's deterministic tree it joins as a branch)."""
+    occurred before, the draft's proposal (a chain, or EAGLE-2's deterministic tree it joins as a branch). At batch
+    30 the rows are one ``BatchedHybrid``: the draft batched, the lookup per row."""
     eagle = random_eagle_factory(verifier, [0, 1, 1])
     made: list[HybridDrafter] = []
 
@@ -254,7 +256,7 @@ def test_hybrid_drafter_is_exact(verifier, method):
 
     shape = TreeShape(depth=3, top_k=3, total_tokens=8, sampled_children=False)
     report = exactness_check(verifier, factory, method, 300, prompt_ids=REPEATING, sampling=SAMPLING,
-                             tree_shape=shape, aux_layer_ids=[0, 1, 1])
+                             tree_shape=shape, aux_layer_ids=[0, 1, 1], batch_size=batch_size)
     print(report.describe())
     assert report.passed, report.describe()
     assert sum(d.used_lookup for d in made) > 0  # the lookup branch was taken, and verified exactly

@@ -529,6 +529,64 @@ def test_batched_greedy_rows_equal_their_batch_one_outputs(verifier, method):
                                            atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("method", ["chain", "tree"])
+def test_batched_eagle_proposes_what_each_row_would_alone(verifier, method):
+    """The batched draft (one forward per draft step for every row, its own ragged KV cache) proposes, row by row,
+    exactly what an ``EagleDrafter`` of that row alone proposes: over rounds of commits of different lengths, a
+    one-token prompt, a row that leaves the batch, and chains of different lengths (0 included)."""
+    from fledge.eval.batch_draft import BatchedEagle, RowwiseBatch, batch_drafter
+
+    draft = random_eagle(verifier).double()  # float64: summation order cannot flip an argmax
+    prompts = [PROMPT, torch.tensor([9]), PROMPT[:3], torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12])]
+    batched = batch_drafter([EagleDrafter(draft) for _ in prompts])
+    rowwise = RowwiseBatch([EagleDrafter(draft) for _ in prompts])
+    assert isinstance(batched, BatchedEagle)
+    sequences = [p.tolist() for p in prompts]
+    auxes = [verifier_aux(verifier, s)[:-1] if len(s) > 1 else None for s in sequences]
+    for side in (batched, rowwise):
+        side.start([p.clone() for p in prompts], auxes)
+    rng = random.Random(0)
+    for round_ in range(5):
+        if method == "chain":
+            lengths = [rng.choice([0, 2, 4]) for _ in sequences]
+            mine = batched.propose_chains(lengths, SamplingParams(), None)
+            theirs = rowwise.propose_chains(lengths, SamplingParams(), None)
+            assert [d.tokens.tolist() for d in mine] == [d.tokens.tolist() for d in theirs]
+            proposals = [d.tokens.tolist() for d in mine]
+        else:
+            shapes = [SHAPE if i or round_ else None for i in range(len(sequences))]
+            mine = batched.propose_trees(shapes, SamplingParams(), None)
+            theirs = rowwise.propose_trees(shapes, SamplingParams(), None)
+            for a, b in zip(mine, theirs):
+                assert (a.tokens.tolist(), a.parents.tolist(), a.depths.tolist()) == \
+                    (b.tokens.tolist(), b.parents.tolist(), b.depths.tolist())
+            # a committed path: the first node, then its first child, and so on
+            proposals = []
+            for t in mine:
+                path, node = [], -1
+                for _ in range(rng.randrange(4)):
+                    children = [j for j, p in enumerate(t.parents.tolist()) if p == node]
+                    if not children:
+                        break
+                    node = children[0]
+                    path.append(int(t.tokens[node]))
+                proposals.append(path)
+        assert any(proposals)  # the drafts did propose
+        updates = []
+        for sequence, proposal in zip(sequences, proposals):
+            new = proposal[: rng.randrange(len(proposal) + 1)] + [rng.randrange(VOCAB)]
+            sequence += new
+            updates.append((torch.tensor(new), verifier_aux(verifier, sequence)[len(sequence) - len(new) - 1 : -1]))
+        if round_ == 2:  # row 2 leaves the batch
+            keep = [0, 1, 3]
+            for side in (batched, rowwise):
+                side.keep_rows(keep)
+            sequences = [sequences[i] for i in keep]
+            updates = [updates[i] for i in keep]
+        for side in (batched, rowwise):
+            side.advance(updates)
+
+
 def test_batched_sliding_window_rows_equal_batch_one():
     from fledge.eval.batch import generate_batch
 
