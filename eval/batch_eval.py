@@ -7,8 +7,8 @@ hits them alike. A drafter's tokens/s over plain's is its speed-up at B (pooled 
 95 % interval over groups; τ and n-α come from its rows' rounds, and (greedy) every row is checked against plain
 decoding's row like the batch-1 report does (exact, tie or mismatch).
 
-Drafters propose row by row here (one instance per row); a serving engine batches the draft too, so at large B these
-speed-ups understate what an engine gets from the same acceptance.
+The EAGLE-3 draft (alone or in the hybrid) proposes for every row in one batched forward per draft step
+(``eval/batch_draft.py``), as a serving engine does; prompt lookup proposes row by row, at no model cost.
 """
 
 from __future__ import annotations

@@ -48,14 +48,15 @@ from fledge.models.verifier import Verifier, check_fingerprint
 
 log = logging.getLogger(__name__)
 
-METHODS = ("chain", "tree")
+METHODS = ("chain", "tree", "both")
 
 
 @dataclass
 class EvalConfig:
     method: str = "chain"
-    """How drafts are verified: ``chain`` (N drafts in a row) or ``tree`` (EAGLE-2 dynamic tree). Drafters that
-    cannot grow trees (prompt lookup) always run as chains."""
+    """How drafts are verified: ``chain`` (N drafts in a row), ``tree`` (EAGLE-2 dynamic tree) or ``both`` (each
+    drafter that grows trees runs twice, as a chain under its name and as a tree under ``<name>-tree``, interleaved
+    against one plain run). Drafters that cannot grow trees (prompt lookup) always run as chains."""
     num_draft_tokens: int = 5
     """N, drafts per chain round."""
     tree_depth: int = 6
@@ -199,10 +200,22 @@ def _run(
                           aux_layer_ids=aux, **common)
 
 
-def _method_of(drafter: Drafter | None, cfg: EvalConfig) -> str:
-    if drafter is None:
-        return "plain"
-    return "tree" if cfg.method == "tree" and drafter.supports_tree else "chain"
+def _with_methods(drafters: dict[str, Drafter | None], cfg: EvalConfig) -> tuple[list[tuple[str, Drafter]],
+                                                                                 dict[str, str]]:
+    """The (name, drafter) pairs to run and each one's method: ``eval.method=both`` adds ``<name>-tree`` for every
+    drafter that grows trees (the same drafter: runs are sequential and ``start`` resets it)."""
+    named: list[tuple[str, Drafter]] = []
+    methods: dict[str, str] = {}
+    for name, d in drafters.items():
+        if d is None:
+            continue
+        if cfg.method == "both" and d.supports_tree:
+            named += [(name, d), (f"{name}-tree", d)]
+            methods.update({name: "chain", f"{name}-tree": "tree"})
+        else:
+            named.append((name, d))
+            methods[name] = "tree" if cfg.method == "tree" and d.supports_tree else "chain"
+    return named, methods
 
 
 def evaluate(
@@ -233,10 +246,9 @@ def evaluate(
         "sets": {},
     }
     judge = TieJudge(verifier.model, cfg.tie_tolerance) if greedy else None
-    named = [(name, d) for name, d in drafters.items() if d is not None]
+    named, methods = _with_methods(drafters, cfg)
     # The capture hooks a round pays for: those of the first drafter that reads the verifier's states.
     aux_ids = next((d.aux_layer_ids for _, d in named if d.needs_aux), None)
-    methods = {name: _method_of(d, cfg) for name, d in named}
     batched = cfg.batch_sizes() != [1]
     for set_name, set_prompts in sets.items():
         encoded = [(p["id"], encode_prompt(verifier.tokenizer, p)) for p in set_prompts[: cfg.max_prompts]]
@@ -248,8 +260,9 @@ def evaluate(
             continue
         if cfg.warmup_tokens:
             first = encoded[0][1]
-            for drafter in [None, *(d for _, d in named)]:
-                _run(verifier, first, drafter, _method_of(drafter, cfg), cfg, stop_ids, cfg.warmup_tokens)
+            _run(verifier, first, None, "plain", cfg, stop_ids, cfg.warmup_tokens)
+            for name, drafter in named:
+                _run(verifier, first, drafter, methods[name], cfg, stop_ids, cfg.warmup_tokens)
             if cfg.hf_baseline:
                 _run_hf(verifier, first, cfg, stop_ids, cfg.warmup_tokens)
         plain: list[DecodeResult] = []

@@ -484,6 +484,23 @@ def test_tree_report_accounts_by_depth(tiny_verifier_dir):
     assert entry["predicted_speedup"] == pytest.approx(entry["tau"] / tree["predicted_round_cost_in_steps"])
 
 
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_method_both_runs_each_tree_drafter_as_chain_and_tree(tiny_verifier_dir, batch_size):
+    """``eval.method=both``: one run gives the draft as a chain and as a tree (``<name>-tree``) against one plain run;
+    prompt lookup, which grows no trees, runs once as a chain."""
+    verifier, draft = write_random_draft_run_in_memory(tiny_verifier_dir)
+    prompts = [{"id": "a", "turns": ["Count: one two three one two three"]}, {"id": "b", "turns": ["Say hi."]}]
+    cfg = EvalConfig(method="both", num_draft_tokens=3, tree_depth=3, tree_top_k=3, tree_total_tokens=9,
+                     max_new_tokens=10, warmup_tokens=2, hf_baseline=False, out_dir=None, batch_size=batch_size)
+    report = evaluate(verifier, {"t": prompts}, {"eagle": EagleDrafter(draft), "lookup": PromptLookupDrafter()}, cfg)
+    entries = report["sets"]["t"]["drafters"]
+    assert {name: e["method"] for name, e in entries.items()} == {"eagle": "chain", "eagle-tree": "tree",
+                                                                   "lookup": "chain"}
+    assert all(e["greedy_match_rate"] == 1.0 for e in entries.values())
+    if batch_size == 1:  # the batch-1 report's tree accounting, for the tree entry only
+        assert "tree" in entries["eagle-tree"] and "tree" not in entries["eagle"]
+
+
 def write_random_draft_run_in_memory(verifier_dir):
     verifier = load_verifier(VerifierConfig(name_or_path=str(verifier_dir), dtype="float32"))
     config = Eagle3Config.from_verifier(verifier.model.config, draft_vocab_size=512,
