@@ -357,7 +357,8 @@ class BatchedHybrid:
     def propose_chains(self, lengths, sampling, generator) -> list[ChainDraft]:
         found = [row.lookup.propose_chain(n, sampling, generator) for row, n in zip(self.rows, lengths)]
         hits = [f.tokens.numel() > 0 for f in found]
-        drafted = self.eagle.propose_chains([0 if hit else n for hit, n in zip(hits, lengths)], sampling, generator)
+        drafted = self.eagle.propose_chains([0 if hit else row.draft_length(n) for row, hit, n in
+                                             zip(self.rows, hits, lengths)], sampling, generator)
         for row, hit in zip(self.rows, hits):
             row.used_lookup += hit
         return [f if hit else d for f, d, hit in zip(found, drafted, hits)]

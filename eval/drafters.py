@@ -243,9 +243,13 @@ class HybridDrafter:
     needs_aux = True
     supports_tree = True
 
-    def __init__(self, eagle: EagleDrafter, lookup: PromptLookupDrafter):
+    def __init__(self, eagle: EagleDrafter, lookup: PromptLookupDrafter, draft_tokens: int = 0):
+        if draft_tokens < 0:
+            raise ConfigError(f"hybrid draft_tokens must be >= 0 (0: the chain's length), got {draft_tokens}")
         self.eagle = eagle
         self.lookup = lookup
+        self.draft_tokens = draft_tokens
+        """The draft's chains stop at this many tokens (0: as many as asked); lookup continuations do not."""
         self.aux_layer_ids = eagle.aux_layer_ids
         self.draft_to_target = eagle.draft_to_target
         self.target_vocab_size = eagle.target_vocab_size
@@ -253,7 +257,10 @@ class HybridDrafter:
         """Rounds whose proposal came from prompt lookup (chains) or carried a lookup branch (trees)."""
 
     def fresh(self) -> HybridDrafter:
-        return HybridDrafter(self.eagle.fresh(), self.lookup.fresh())
+        return HybridDrafter(self.eagle.fresh(), self.lookup.fresh(), self.draft_tokens)
+
+    def draft_length(self, n: int) -> int:
+        return min(n, self.draft_tokens) if self.draft_tokens else n
 
     def start(self, context: torch.Tensor, aux: torch.Tensor | None) -> None:
         self.lookup.start(context, aux)
@@ -268,7 +275,7 @@ class HybridDrafter:
         if found.tokens.numel():
             self.used_lookup += 1
             return found
-        return self.eagle.propose_chain(n, sampling, generator)
+        return self.eagle.propose_chain(self.draft_length(n), sampling, generator)
 
     def propose_tree(self, shape: TreeShape, sampling: SamplingParams, generator: torch.Generator | None) -> DraftTree:
         tree = self.eagle.propose_tree(shape, sampling, generator)

@@ -55,6 +55,12 @@ class EvalJobConfig:
     ``eagle3+lookup``: the lookup continuation where the last n-gram occurred before, the draft elsewhere."""
     hybrid_min_ngram: int = 2
     """The shortest n-gram whose earlier occurrence makes the hybrid take the lookup continuation."""
+    hybrid_draft_tokens: int = 0
+    """The hybrid's draft chains stop at this many tokens (its lookup continuations still run to
+    ``eval.num_draft_tokens``); 0: the same length. A draft that is seldom right past depth 1 costs a draft step and
+    a verified position for each token it adds, while a lookup match is free and often long."""
+    draft_alone: bool = True
+    """Run the draft on its own (row ``eagle3``); false keeps only the hybrid and the baselines."""
     draft_min_prob: float = 0.0
     """The draft's chains (alone and in the hybrid) stop before a position where its most likely token has less
     probability than this; 0 always drafts ``eval.num_draft_tokens``. Exact for greedy and sampled decoding."""
@@ -91,12 +97,14 @@ def run(cfg: EvalJobConfig) -> dict[str, Any]:
         # A training run / step folder or an exported serving checkpoint, in the verifier's dtype and device.
         drafter = load_eagle_drafter(path, verifier)
         drafter.min_prob = cfg.draft_min_prob
-        drafters[f"eagle3{suffix}"] = drafter
+        if cfg.draft_alone:
+            drafters[f"eagle3{suffix}"] = drafter
         draft_meta = {"path": str(cfg.draft), "draft_vocab_size": int(drafter.draft.config.draft_vocab_size)}
         if cfg.hybrid:
             lookup = PromptLookupDrafter(max_ngram=max(cfg.prompt_lookup_max_ngram, cfg.hybrid_min_ngram),
                                          min_ngram=cfg.hybrid_min_ngram)
-            drafters[f"eagle3+lookup{suffix}"] = HybridDrafter(EagleDrafter(drafter.draft, cfg.draft_min_prob), lookup)
+            drafters[f"eagle3+lookup{suffix}"] = HybridDrafter(EagleDrafter(drafter.draft, cfg.draft_min_prob), lookup,
+                                                               draft_tokens=cfg.hybrid_draft_tokens)
     if is_sweep_dir(cfg.draft or ""):
         draft_meta["sweep_jobs"] = {str(r["job"]): r["overrides"] for _, r in sweep_jobs(cfg.draft, "train")}
     if cfg.prompt_lookup:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from fledge.core.errors import ConfigError
 from fledge.data.template import stop_token_ids
@@ -268,7 +269,7 @@ def evaluate(
         plain: list[DecodeResult] = []
         hf: list[DecodeResult] = []
         runs: dict[str, list[DecodeResult]] = {name: [] for name, _ in named}
-        for _, ids in encoded:
+        for _, ids in tqdm(encoded, desc=f"eval {set_name}", unit="prompt"):
             plain.append(_run(verifier, ids, None, "plain", cfg, stop_ids, cfg.max_new_tokens))
             if cfg.hf_baseline:
                 hf.append(_run_hf(verifier, ids, cfg, stop_ids, cfg.max_new_tokens))

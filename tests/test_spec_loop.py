@@ -390,6 +390,35 @@ def test_evaluate_reports_lossless_drafters(tiny_verifier_dir, tmp_path):
         EvalConfig(method="beam")
 
 
+def test_hybrid_draft_tokens_shortens_the_drafts_chains_only(verifier, reference):
+    """``hybrid_draft_tokens=1``: where prompt lookup has no match the draft proposes one token, where it has one the
+    lookup continuation keeps its full length; batch 1 and the batched hybrid alike, greedy output exact."""
+    from fledge.eval.batch_draft import BatchedHybrid, batch_drafter
+
+    draft = random_eagle(verifier)
+    context = torch.tensor([3, 17, 42, 99, 5, 3, 17, 42, 99, 5, 3, 17])  # "3 17" occurred before: a lookup match
+    fresh = torch.tensor([3, 17, 42, 99, 5, 250, 8])  # "250 8" did not: the draft's chain
+    aux = {len(c): verifier_aux(verifier, c.tolist())[:-1] for c in (context, fresh)}
+
+    def hybrid():
+        return HybridDrafter(EagleDrafter(draft), PromptLookupDrafter(max_ngram=2, min_ngram=2), draft_tokens=1)
+
+    one = hybrid()
+    one.start(context, aux[len(context)])
+    assert one.propose_chain(4, SamplingParams(), None).tokens.tolist() == [42, 99, 5, 3]
+    one.start(fresh, aux[len(fresh)])
+    assert one.propose_chain(4, SamplingParams(), None).tokens.numel() == 1
+    batched = batch_drafter([hybrid(), hybrid()])
+    assert isinstance(batched, BatchedHybrid)
+    batched.start([context, fresh], [aux[len(context)], aux[len(fresh)]])
+    assert [c.tokens.numel() for c in batched.propose_chains([4, 4], SamplingParams(), None)] == [4, 1]
+    result = generate_chain(verifier, PROMPT, hybrid(), num_draft_tokens=4, max_new_tokens=MAX_NEW,
+                            aux_layer_ids=AUX_IDS)
+    assert result.tokens == reference and max(result.proposed) <= 4
+    with pytest.raises(ValueError, match="draft_tokens must be >= 0"):
+        HybridDrafter(EagleDrafter(draft), PromptLookupDrafter(), draft_tokens=-1)
+
+
 def test_load_eagle_drafter_from_training_and_serving_checkpoints(tiny_verifier_dir, tmp_path):
     """Both checkpoint kinds load into an EagleDrafter that proposes exactly what the original draft proposes."""
     from fledge.eval.runner import load_eagle_drafter
