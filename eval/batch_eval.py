@@ -21,7 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from fledge.eval.batch import generate_batch
-from fledge.eval.metrics import AcceptanceTrace, bootstrap_interval, median, pooled_tau, summarize
+from fledge.eval.metrics import AcceptanceTrace, bootstrap_interval, median, pooled_tau, summarize, trace_depth
 from fledge.eval.proposals import Drafter
 from fledge.eval.sampling import seeded_generator
 from fledge.eval.verifier_state import DecodeResult
@@ -101,7 +101,8 @@ def evaluate_batched(
                        for i in range(len(groups))]
         for name, _ in drafters:
             results = rows[name]
-            num_draft = cfg.tree_depth if methods[name] == "tree" else cfg.num_draft_tokens
+            num_draft = trace_depth(methods[name], cfg.num_draft_tokens, cfg.tree_depth,
+                                    [p for r in results for p in r.proposed])
             trace = AcceptanceTrace(accepted=[a for r in results for a in r.accepted], num_draft=num_draft,
                                     proposed=[p for r in results for p in r.proposed])
             tokens = sum(len(r.tokens) for r in results)

@@ -235,7 +235,8 @@ class HybridDrafter:
     once it matches (n-α rising with depth), while the draft is right about the first token of new text. A chain
     takes the lookup continuation when there is one and the draft's chain otherwise; a tree is the draft's
     EAGLE-2 tree with the lookup continuation added as one more branch from the root (sharing the nodes it agrees
-    with). Both stay exact: which proposal is made depends only on the committed tokens, lookup tokens are
+    with), as deep as the shape's ``branch_depth`` (the chain's N in ``fledge eval``, so that a shallow tree of the
+    draft's top-k first tokens still carries a long lookup continuation). Both stay exact: which proposal is made depends only on the committed tokens, lookup tokens are
     deterministic candidates (point-mass q), and the added branch is verified like any deterministic sibling; a
     tree of *sampled* children gets no branch, since its rule needs every sibling drawn from q.
     """
@@ -281,7 +282,7 @@ class HybridDrafter:
         tree = self.eagle.propose_tree(shape, sampling, generator)
         if tree.q is not None:
             return tree
-        branch = self.lookup.propose_chain(shape.depth, sampling, generator).tokens
+        branch = self.lookup.propose_chain(shape.branch_depth, sampling, generator).tokens
         if not branch.numel():
             return tree
         self.used_lookup += 1

@@ -39,6 +39,14 @@ class AcceptanceTrace:
         return self.proposed if self.proposed is not None else [self.num_draft] * len(self.accepted)
 
 
+def trace_depth(method: str, chain_length: int, tree_depth: int, proposed: list[int]) -> int:
+    """N of a drafter's trace: the chain length, or for trees the deepest path any round offered (the draft's own
+    ``tree_depth``, or a hybrid's longer prompt-lookup branch)."""
+    if method != "tree":
+        return chain_length
+    return max([tree_depth, *proposed])
+
+
 def tau(trace: AcceptanceTrace) -> float:
     """Mean tokens per verifier call (accepted drafts + the verifier's own token)."""
     if not trace.accepted:

@@ -11,6 +11,7 @@ to be tried); row 0 of the verifier input is the root (the newest committed toke
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Generator, Protocol
 
@@ -44,6 +45,10 @@ class TreeShape:
     ``evaluate_posterior``). True: children drawn without replacement from q (Gumbel top-k), verified with
     min(1, p/q) and q renormalised after each rejection; the budget then keeps whole sibling groups in the order
     they were grown, because pruning children by their drawn values would bias the output."""
+    lookup_depth: int = 0
+    """How deep a hybrid drafter's prompt-lookup branch may reach (0: ``depth``). A lookup continuation costs no
+    draft forward and is often long, while each level of the draft's own tree costs one: a depth-1 tree (the draft's
+    top-k first tokens, one verifier pass) can still carry a five-token lookup branch."""
 
     def __post_init__(self) -> None:
         if self.depth < 1 or self.top_k < 1:
@@ -53,6 +58,17 @@ class TreeShape:
                 f"tree total_tokens ({self.total_tokens}) must be >= top_k ({self.top_k}): the root's children "
                 "alone are top_k tokens"
             )
+        if self.lookup_depth < 0:
+            raise ConfigError(f"tree lookup_depth must be >= 0 (0: the tree's depth), got {self.lookup_depth}")
+
+    @property
+    def branch_depth(self) -> int:
+        """The longest prompt-lookup branch a hybrid adds to this tree."""
+        return self.lookup_depth or self.depth
+
+    def capped(self, budget: int) -> TreeShape:
+        """This shape for a round that may add at most ``budget`` tokens (a longer path would be cut anyway)."""
+        return dataclasses.replace(self, depth=min(self.depth, budget), lookup_depth=min(self.branch_depth, budget))
 
 
 @dataclass

@@ -33,6 +33,7 @@ from fledge.eval.metrics import (
     predicted_speedup,
     summarize,
     topk_acceptance,
+    trace_depth,
 )
 from fledge.eval.proposals import Drafter, TreeShape
 from fledge.eval.sampling import seeded_generator
@@ -59,9 +60,10 @@ class EvalConfig:
     drafter that grows trees runs twice, as a chain under its name and as a tree under ``<name>-tree``, interleaved
     against one plain run). Drafters that cannot grow trees (prompt lookup) always run as chains."""
     num_draft_tokens: int = 5
-    """N, drafts per chain round."""
+    """N, drafts per chain round; also how deep the hybrid's prompt-lookup branch may reach in a tree round."""
     tree_depth: int = 6
-    """Longest draft path of a tree round."""
+    """Longest path of the draft's own tree in a tree round (the hybrid's lookup branch may reach
+    max(tree_depth, num_draft_tokens): a depth-1 tree is the draft's top-k first tokens, plus a lookup branch)."""
     tree_top_k: int = 8
     """Children per expanded node and nodes expanded per level (EAGLE-2)."""
     tree_total_tokens: int = 48
@@ -132,6 +134,7 @@ class EvalConfig:
             top_k=self.tree_top_k,
             total_tokens=self.tree_total_tokens,
             sampled_children=self.tree_sampled_children,
+            lookup_depth=max(self.tree_depth, self.num_draft_tokens),
         )
 
     def sampling(self) -> SamplingParams:
@@ -350,7 +353,7 @@ def _round_floors(
     if "chain" in methods:
         ks |= set(range(1, cfg.num_draft_tokens + 2))
     if "tree" in methods:
-        top = cfg.tree_total_tokens + 1
+        top = cfg.tree_total_tokens + 1 + cfg.tree_shape().branch_depth  # a hybrid's lookup branch adds nodes
         ks |= {1, 2, max(2, top // 4), max(2, top // 2), top}
     if not ks:
         return None
@@ -398,7 +401,7 @@ def _drafter_summary(
     results: list[DecodeResult], plain: list[DecodeResult], hf: list[DecodeResult], prompt_ids: list, method: str,
     cfg: EvalConfig, base: dict, floors: CostModel | None,
 ) -> dict:
-    num_draft = cfg.tree_depth if method == "tree" else cfg.num_draft_tokens
+    num_draft = trace_depth(method, cfg.num_draft_tokens, cfg.tree_depth, [p for r in results for p in r.proposed])
     trace = AcceptanceTrace(
         accepted=[a for r in results for a in r.accepted],
         num_draft=num_draft,

@@ -12,8 +12,6 @@ After the walk only the accepted path's keys/values stay in the cache (``Verifie
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import nn
 
@@ -143,7 +141,7 @@ def generate_tree(
         while not done:
             budget = max_new_tokens - len(tokens) - 1  # a path longer than this would be cut anyway
             if budget > 0:
-                round_shape = dataclasses.replace(shape, depth=min(shape.depth, budget))
+                round_shape = shape.capped(budget)
                 tree = drafter.propose_tree(round_shape, sampling, generator)
             else:
                 tree = empty_tree()

@@ -419,6 +419,46 @@ def test_hybrid_draft_tokens_shortens_the_drafts_chains_only(verifier, reference
         HybridDrafter(EagleDrafter(draft), PromptLookupDrafter(), draft_tokens=-1)
 
 
+def test_a_shallow_hybrid_tree_carries_a_long_lookup_branch(verifier, reference):
+    """``TreeShape.lookup_depth``: a depth-1 tree (the draft's top-k first tokens, no draft forward beyond the root)
+    still carries the lookup continuation as deep as ``lookup_depth``; capped by a round's budget; batch 1 and the
+    batched hybrid alike; greedy output exact and the trace as deep as the branch."""
+    from fledge.core.errors import ConfigError
+    from fledge.eval.batch_draft import batch_drafter
+    from fledge.eval.metrics import trace_depth
+
+    draft = random_eagle(verifier)
+    context = torch.tensor([3, 17, 42, 99, 5, 3, 17, 42, 99, 5, 3, 17])  # "3 17" occurred before: a lookup match
+    fresh = torch.tensor([3, 17, 42, 99, 5, 250, 8])  # "250 8" did not
+    aux = {len(c): verifier_aux(verifier, c.tolist())[:-1] for c in (context, fresh)}
+    shape = TreeShape(depth=1, top_k=3, total_tokens=3, lookup_depth=4)
+    assert (shape.branch_depth, TreeShape(depth=2, top_k=2, total_tokens=2).branch_depth) == (4, 2)
+    assert (shape.capped(2).depth, shape.capped(2).branch_depth, shape.capped(9).branch_depth) == (1, 2, 4)
+
+    def hybrid():
+        return HybridDrafter(EagleDrafter(draft), PromptLookupDrafter(max_ngram=2, min_ngram=2))
+
+    one = hybrid()
+    one.start(context, aux[len(context)])
+    tree = one.propose_tree(shape, SamplingParams(), None)
+    assert int(tree.depths.max()) == 4
+    branch = [t for t, d in zip(tree.tokens.tolist(), tree.depths.tolist()) if d > 1]
+    assert branch == [99, 5, 3]  # below the root's "42" (a draft child or the branch's own), the continuation
+    one.start(fresh, aux[len(fresh)])
+    assert one.propose_tree(shape, SamplingParams(), None).depths.tolist() == [1, 1, 1]
+    batched = batch_drafter([hybrid(), hybrid()])
+    batched.start([context, fresh], [aux[len(context)], aux[len(fresh)]])
+    assert [int(t.depths.max()) for t in batched.propose_trees([shape, shape], SamplingParams(), None)] == [4, 1]
+    repeating = torch.tensor([3, 17, 42, 3, 17, 42, 3, 17])
+    plain = generate_plain(verifier, repeating, max_new_tokens=MAX_NEW).tokens
+    result = generate_tree(verifier, repeating, hybrid(), shape=shape, max_new_tokens=MAX_NEW, aux_layer_ids=AUX_IDS)
+    assert result.tokens == plain and max(result.proposed) > 1  # a lookup branch went past the draft's depth 1
+    assert trace_depth("tree", 5, 1, result.proposed) == max(result.proposed)
+    assert trace_depth("chain", 5, 1, result.proposed) == 5
+    with pytest.raises(ConfigError, match="lookup_depth"):
+        TreeShape(depth=1, top_k=1, total_tokens=1, lookup_depth=-1)
+
+
 def test_load_eagle_drafter_from_training_and_serving_checkpoints(tiny_verifier_dir, tmp_path):
     """Both checkpoint kinds load into an EagleDrafter that proposes exactly what the original draft proposes."""
     from fledge.eval.runner import load_eagle_drafter
