@@ -146,6 +146,9 @@ def _log_wandb(cfg: EvalJobConfig, report: dict[str, Any]) -> None:
                 run.summary.update({f"{prefix}/tau": d["tau"], f"{prefix}/speedup": d["speedup"],
                                     f"{prefix}/tau_interval": d["tau_interval"],
                                     f"{prefix}/speedup_interval": d["speedup_interval"]})
+                if "vs_prompt_lookup" in d:  # throughput over prompt lookup's on the same prompts, paired
+                    run.summary.update({f"{prefix}/vs_prompt_lookup": d["vs_prompt_lookup"]["throughput_ratio"],
+                                        f"{prefix}/vs_prompt_lookup_interval": d["vs_prompt_lookup"]["interval"]})
                 if "predicted_speedup" in d:  # the batch-1 loop's cost model; a batch sweep has none
                     run.summary.update({f"{prefix}/predicted_speedup": d["predicted_speedup"]})
                 if "greedy_match_rate" in d:

@@ -29,6 +29,7 @@ from fledge.eval.metrics import (
     AcceptanceTrace,
     bootstrap_interval,
     median,
+    paired_throughput_ratio,
     pooled_tau,
     predicted_speedup,
     summarize,
@@ -290,6 +291,7 @@ def evaluate(
             set_report["drafters"][name] = entry
             log.info("%s / %s: %s", set_name, name, _one_line(entry))
             print(f"[eval] {set_name} / {name}: {_one_line(entry)}", flush=True)
+        _compare_with_reference(set_report["drafters"], runs)
         for name, drafter in drafters.items():
             if drafter is None:
                 set_report["drafters"][name] = {"method": "plain", **base}
@@ -307,6 +309,24 @@ def evaluate(
             report["files"]["batch_png"] = str(out / "speedup_vs_batch.png")
             (out / "report.json").write_text(json.dumps(report, indent=2))
     return report
+
+
+REFERENCE_DRAFTER = "prompt_lookup"
+"""The training-free drafter every other drafter is compared with, prompt by prompt (``vs_prompt_lookup``)."""
+
+
+def _compare_with_reference(entries: dict[str, dict], runs: dict[str, list[DecodeResult]]) -> None:
+    """Each drafter's throughput over prompt lookup's on the same prompts, paired (``paired_throughput_ratio``):
+    whether a trained draft beats the drafter that needs no training is the question its speed-up intervals
+    against plain decoding, taken apart, cannot settle."""
+    reference = runs.get(REFERENCE_DRAFTER)
+    if not reference:
+        return
+    ref = [(len(r.tokens), r.seconds) for r in reference]
+    for name, results in runs.items():
+        if name != REFERENCE_DRAFTER:
+            ratio, (lo, hi) = paired_throughput_ratio([(len(r.tokens), r.seconds) for r in results], ref)
+            entries[name][f"vs_{REFERENCE_DRAFTER}"] = {"throughput_ratio": ratio, "interval": [lo, hi]}
 
 
 def _batched_set(
@@ -563,8 +583,9 @@ def _one_line(entry: dict) -> str:
 
 
 def stable_figures(report: dict[str, Any]) -> list[str]:
-    """The figures benchmarks compare, one per line under a stable label: ``baseline_vs_hf <set> <value>`` and
-    ``round_overhead <set>/<drafter> <value>``."""
+    """The figures benchmarks compare, one per line under a stable label: ``baseline_vs_hf <set> <value>``,
+    ``round_overhead <set>/<drafter> <value>`` and ``vs_prompt_lookup <set>/<drafter> <ratio> [<lo>, <hi>]`` (the
+    drafter's throughput over prompt lookup's on the same prompts, paired bootstrap interval)."""
     lines = []
     for set_name, entry in report.get("sets", {}).items():
         base = entry.get("baseline", {})
@@ -574,6 +595,11 @@ def stable_figures(report: dict[str, Any]) -> list[str]:
         for name, d in entry.get("drafters", {}).items():
             if "round_overhead" in d:
                 lines.append(f"round_overhead {set_name}/{name} {d['round_overhead']:.3f}")
+        for name, d in entry.get("drafters", {}).items():
+            if f"vs_{REFERENCE_DRAFTER}" in d:
+                vs = d[f"vs_{REFERENCE_DRAFTER}"]
+                lo, hi = vs["interval"]
+                lines.append(f"vs_{REFERENCE_DRAFTER} {set_name}/{name} {vs['throughput_ratio']:.3f} [{lo:.3f}, {hi:.3f}]")
     return lines
 
 

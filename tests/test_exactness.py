@@ -254,7 +254,8 @@ def test_hybrid_drafter_is_exact(verifier, method, batch_size):
         made.append(HybridDrafter(eagle(), PromptLookupDrafter(max_ngram=2, min_ngram=1)))
         return made[-1]
 
-    shape = TreeShape(depth=3, top_k=3, total_tokens=8, sampled_children=False)
+    # The lookup branch may reach deeper than the draft's own tree (TreeShape.lookup_depth).
+    shape = TreeShape(depth=2, top_k=3, total_tokens=6, sampled_children=False, lookup_depth=4)
     report = exactness_check(verifier, factory, method, 300, prompt_ids=REPEATING, sampling=SAMPLING,
                              tree_shape=shape, aux_layer_ids=[0, 1, 1], batch_size=batch_size)
     print(report.describe())

@@ -8,9 +8,12 @@ from fledge.eval.metrics import (
     AcceptanceTrace,
     acceptance_histogram,
     acceptance_rate,
+    bootstrap_interval,
     cumulative_acceptance,
     expected_tokens_per_call,
+    median,
     n_alpha,
+    paired_throughput_ratio,
     predicted_speedup,
     summarize,
     tau,
@@ -96,3 +99,21 @@ def test_topk_acceptance_per_depth():
     # depth 1 reached 4 times: ranks 0, 0, 1, 3 (3 = not in the top 3); depth 2 twice: 0 and 2; depth 3 never.
     ranks = [(1, 0), (1, 0), (1, 1), (1, 3), (2, 0), (2, 2)]
     assert topk_acceptance(ranks, num_draft=3, k=3) == [[0.5, 0.75, 0.75], [0.5, 0.5, 1.0], None]
+
+
+def test_paired_throughput_ratio_separates_what_unpaired_intervals_cannot():
+    """Prompts of very different speeds, a drafter 1.2x faster than the other on every one: the paired interval is
+    tight around 1.2, while each drafter's own interval over prompts spans the prompts' spread."""
+    seconds = [1.0, 4.0, 0.5, 3.0, 2.0, 6.0, 0.8, 5.0]  # 128 tokens each: prompts from 21 to 256 tokens/s
+    reference = [(128, s) for s in seconds]
+    faster = [(128, s / 1.2) for s in seconds]
+    ratio, (lo, hi) = paired_throughput_ratio(faster, reference)
+    assert ratio == pytest.approx(1.2) and lo == pytest.approx(1.2) and hi == pytest.approx(1.2)
+    alone = bootstrap_interval([128 / s for s in seconds], median)
+    assert alone[1] / alone[0] > 3  # unpaired: the prompts' spread, not the drafters' difference
+    # Faster on some prompts, slower on others: the interval straddles 1.
+    mixed = [(128, s * (0.7 if i % 2 else 1.4)) for i, s in enumerate(seconds)]
+    ratio, (lo, hi) = paired_throughput_ratio(mixed, reference)
+    assert lo < 1.0 < hi
+    with pytest.raises(ValueError, match="same prompts"):
+        paired_throughput_ratio(faster[:3], reference)

@@ -384,7 +384,18 @@ def test_evaluate_reports_lossless_drafters(tiny_verifier_dir, tmp_path):
         floor = entry["round_floor"]
         assert floor["floor_steps"] == pytest.approx(floor["verify_steps"] + parts["draft"] + parts["draft_update"])
         assert entry["round_overhead"] == pytest.approx(entry["round_cost_in_steps"] / floor["floor_steps"] - 1)
-    assert [line.split()[0] for line in stable_figures(report)] == ["baseline_vs_hf"] + ["round_overhead"] * 4
+    labels = ["baseline_vs_hf"] + ["round_overhead"] * 4 + ["vs_prompt_lookup"] * 3
+    assert [line.split()[0] for line in stable_figures(report)] == labels
+    # Each drafter against prompt lookup on the same prompts: pooled throughput over pooled throughput, paired.
+    lookup = entries["prompt_lookup"]["per_prompt"]
+    for name in ("eagle", "random", "hybrid"):
+        mine = entries[name]["per_prompt"]
+        rate = sum(p["tokens"] for p in mine) / sum(p["seconds"] for p in mine)
+        vs = entries[name]["vs_prompt_lookup"]
+        assert vs["throughput_ratio"] == pytest.approx(rate / (sum(p["tokens"] for p in lookup) /
+                                                               sum(p["seconds"] for p in lookup)))
+        assert vs["interval"][0] <= vs["throughput_ratio"] <= vs["interval"][1]
+    assert "vs_prompt_lookup" not in entries["prompt_lookup"]
     assert drafters["hybrid"].used_lookup > 0  # the prompts repeat themselves: its lookup branch was taken
     with pytest.raises(ValueError, match="method"):
         EvalConfig(method="beam")
