@@ -295,8 +295,7 @@ def _chain_round(state, active, roots, results, batch: BatchDrafter, n, shape, m
 def _tree_round(state, active, roots, results, batch: BatchDrafter, n, shape, max_new_tokens, sampling, stop_ids,
                 generator):
     budgets = [max_new_tokens - len(results[r].tokens) - 1 for r in active]
-    trees = batch.propose_trees([shape.capped(b) if b > 0 else None
-                                 for b in budgets], sampling, generator)
+    trees = batch.propose_trees([shape.capped(b) if b > 0 else None for b in budgets], sampling, generator)
     inputs = [torch.cat([torch.tensor([roots[r]]), t.tokens.cpu()]) for r, t in zip(active, trees)]
     logits, aux = state.forward(inputs, [t.parents for t in trees])
     walks = []

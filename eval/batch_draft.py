@@ -367,7 +367,8 @@ class BatchedHybrid:
         trees = self.eagle.propose_trees(shapes, sampling, generator)
         out = []
         for row, tree, shape in zip(self.rows, trees, shapes):
-            branch = row.lookup.propose_chain(shape.branch_depth, sampling, generator).tokens if shape is not None else None
+            branch = (row.lookup.propose_chain(shape.branch_depth, sampling, generator).tokens
+                      if shape is not None else None)
             if tree.q is not None or branch is None or not branch.numel():
                 out.append(tree)
                 continue

@@ -236,9 +236,10 @@ class HybridDrafter:
     takes the lookup continuation when there is one and the draft's chain otherwise; a tree is the draft's
     EAGLE-2 tree with the lookup continuation added as one more branch from the root (sharing the nodes it agrees
     with), as deep as the shape's ``branch_depth`` (the chain's N in ``fledge eval``, so that a shallow tree of the
-    draft's top-k first tokens still carries a long lookup continuation). Both stay exact: which proposal is made depends only on the committed tokens, lookup tokens are
-    deterministic candidates (point-mass q), and the added branch is verified like any deterministic sibling; a
-    tree of *sampled* children gets no branch, since its rule needs every sibling drawn from q.
+    draft's top-k first tokens still carries a long lookup continuation). Both stay exact: which proposal is made
+    depends only on the committed tokens, lookup tokens are deterministic candidates (point-mass q), and the added
+    branch is verified like any deterministic sibling; a tree of *sampled* children gets no branch, since its rule
+    needs every sibling drawn from q.
     """
 
     needs_aux = True

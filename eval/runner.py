@@ -599,7 +599,8 @@ def stable_figures(report: dict[str, Any]) -> list[str]:
             if f"vs_{REFERENCE_DRAFTER}" in d:
                 vs = d[f"vs_{REFERENCE_DRAFTER}"]
                 lo, hi = vs["interval"]
-                lines.append(f"vs_{REFERENCE_DRAFTER} {set_name}/{name} {vs['throughput_ratio']:.3f} [{lo:.3f}, {hi:.3f}]")
+                lines.append(f"vs_{REFERENCE_DRAFTER} {set_name}/{name} {vs['throughput_ratio']:.3f} "
+                             f"[{lo:.3f}, {hi:.3f}]")
     return lines
 
 
