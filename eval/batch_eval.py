@@ -21,7 +21,15 @@ import torch
 from tqdm.auto import tqdm
 
 from fledge.eval.batch import generate_batch
-from fledge.eval.metrics import AcceptanceTrace, bootstrap_interval, median, pooled_tau, summarize, trace_depth
+from fledge.eval.metrics import (
+    AcceptanceTrace,
+    bootstrap_interval,
+    compare_with_reference,
+    median,
+    pooled_tau,
+    summarize,
+    trace_depth,
+)
 from fledge.eval.proposals import Drafter
 from fledge.eval.sampling import seeded_generator
 from fledge.eval.verifier_state import DecodeResult
@@ -121,6 +129,9 @@ def evaluate_batched(
             if greedy is not None:
                 d.update(greedy)
             entry["drafters"][name] = d
+        compare_with_reference(entry["drafters"], {
+            name: [(sum(len(r.tokens) for r in rows[name][i * size : (i + 1) * size]), seconds[name][i])
+                   for i in range(len(groups))] for name, _ in drafters})
         out[str(size)] = entry
     return out
 

@@ -181,6 +181,24 @@ def paired_throughput_ratio(
     return ratio(pairs), bootstrap_interval(pairs, ratio)
 
 
+REFERENCE_DRAFTER = "prompt_lookup"
+"""The training-free drafter every other drafter is compared with, prompt by prompt (``vs_prompt_lookup``)."""
+
+
+def compare_with_reference(entries: dict[str, dict], units: dict[str, Sequence[tuple[int, float]]]) -> None:
+    """Add ``vs_prompt_lookup`` to each drafter's entry: its throughput over prompt lookup's on the same units
+    ((tokens, seconds) per prompt at batch 1, per group of prompts in a batch sweep), paired
+    (``paired_throughput_ratio``). Whether a trained draft beats the drafter that needs no training is the question
+    its speed-up intervals against plain decoding, taken apart, cannot settle."""
+    reference = units.get(REFERENCE_DRAFTER)
+    if not reference:
+        return
+    for name, own in units.items():
+        if name != REFERENCE_DRAFTER:
+            ratio, (lo, hi) = paired_throughput_ratio(own, reference)
+            entries[name][f"vs_{REFERENCE_DRAFTER}"] = {"throughput_ratio": ratio, "interval": [lo, hi]}
+
+
 def pooled_tau(per_prompt: Sequence[tuple[int, int]]) -> float:
     """τ of several prompts together from (committed tokens, verifier calls) per prompt: all tokens / all calls."""
     calls = sum(c for _, c in per_prompt)

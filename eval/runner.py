@@ -26,10 +26,11 @@ from fledge.eval.chain import generate_chain
 from fledge.eval.drafters import EagleDrafter
 from fledge.eval.hf_baseline import generate_hf
 from fledge.eval.metrics import (
+    REFERENCE_DRAFTER,
     AcceptanceTrace,
     bootstrap_interval,
+    compare_with_reference,
     median,
-    paired_throughput_ratio,
     pooled_tau,
     predicted_speedup,
     summarize,
@@ -291,7 +292,8 @@ def evaluate(
             set_report["drafters"][name] = entry
             log.info("%s / %s: %s", set_name, name, _one_line(entry))
             print(f"[eval] {set_name} / {name}: {_one_line(entry)}", flush=True)
-        _compare_with_reference(set_report["drafters"], runs)
+        compare_with_reference(set_report["drafters"],
+                               {n: [(len(r.tokens), r.seconds) for r in res] for n, res in runs.items()})
         for name, drafter in drafters.items():
             if drafter is None:
                 set_report["drafters"][name] = {"method": "plain", **base}
@@ -309,24 +311,6 @@ def evaluate(
             report["files"]["batch_png"] = str(out / "speedup_vs_batch.png")
             (out / "report.json").write_text(json.dumps(report, indent=2))
     return report
-
-
-REFERENCE_DRAFTER = "prompt_lookup"
-"""The training-free drafter every other drafter is compared with, prompt by prompt (``vs_prompt_lookup``)."""
-
-
-def _compare_with_reference(entries: dict[str, dict], runs: dict[str, list[DecodeResult]]) -> None:
-    """Each drafter's throughput over prompt lookup's on the same prompts, paired (``paired_throughput_ratio``):
-    whether a trained draft beats the drafter that needs no training is the question its speed-up intervals
-    against plain decoding, taken apart, cannot settle."""
-    reference = runs.get(REFERENCE_DRAFTER)
-    if not reference:
-        return
-    ref = [(len(r.tokens), r.seconds) for r in reference]
-    for name, results in runs.items():
-        if name != REFERENCE_DRAFTER:
-            ratio, (lo, hi) = paired_throughput_ratio([(len(r.tokens), r.seconds) for r in results], ref)
-            entries[name][f"vs_{REFERENCE_DRAFTER}"] = {"throughput_ratio": ratio, "interval": [lo, hi]}
 
 
 def _batched_set(
@@ -351,9 +335,12 @@ def _batched_set(
     for size, entry in by_size.items():
         for name, d in entry["drafters"].items():
             lo, hi = d["speedup_interval"]
+            vs = d.get(f"vs_{REFERENCE_DRAFTER}")
+            paired = "" if vs is None else (f", {vs['throughput_ratio']:.2f}x prompt lookup's "
+                                            f"[{vs['interval'][0]:.2f}, {vs['interval'][1]:.2f}]")
             print(f"[eval] {set_name} / batch {size} / {name}: {d['method']} tau {d['tau']:.2f}, "
                   f"{d['tokens_per_s']:.1f} tok/s against plain {entry['plain']['tokens_per_s']:.1f}, "
-                  f"speed-up {d['speedup']:.2f}x [{lo:.2f}, {hi:.2f}]", flush=True)
+                  f"speed-up {d['speedup']:.2f}x [{lo:.2f}, {hi:.2f}]{paired}", flush=True)
     return set_report
 
 

@@ -182,6 +182,15 @@ def test_evaluate_sweeps_batch_sizes_into_a_table_and_a_plot(tiny_verifier_dir, 
             assert d["speedup_interval"][0] <= d["speedup_interval"][1]
     assert sweep["1"]["drafters"]["eagle"]["method"] == "tree"
     assert sweep["1"]["drafters"]["prompt_lookup"]["method"] == "chain"
+    # each batch size pairs the draft with prompt lookup group by group (the same prompts decoded together)
+    for entry in sweep.values():
+        d, ref = entry["drafters"]["eagle"], entry["drafters"]["prompt_lookup"]
+        vs = d["vs_prompt_lookup"]
+        assert vs["throughput_ratio"] == pytest.approx(d["tokens_per_s"] / ref["tokens_per_s"])
+        assert vs["interval"][0] <= vs["throughput_ratio"] <= vs["interval"][1]
+        assert "vs_prompt_lookup" not in ref
+    assert report["sets"]["toy"]["drafters"]["eagle"]["vs_prompt_lookup"] == sweep["1"]["drafters"]["eagle"][
+        "vs_prompt_lookup"]
     # the set's usual entry comes from the smallest batch size
     assert report["sets"]["toy"]["drafters"]["eagle"]["tau"] == sweep["1"]["drafters"]["eagle"]["tau"]
     assert len(batch_table(report)) == 1 + 3 * 2
