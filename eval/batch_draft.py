@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from fledge.eval.drafters import EagleDrafter, HybridDrafter, with_branch
+from fledge.eval.drafters import EagleDrafter, HybridDrafter
 from fledge.eval.proposals import ChainDraft, Drafter, DraftTree, Steps, TreeShape, chain_steps, tree_steps
 from fledge.eval.ragged import committed_columns, move_kept
 from fledge.eval.tree import empty_tree
@@ -365,16 +365,8 @@ class BatchedHybrid:
 
     def propose_trees(self, shapes, sampling, generator) -> list[DraftTree]:
         trees = self.eagle.propose_trees(shapes, sampling, generator)
-        out = []
-        for row, tree, shape in zip(self.rows, trees, shapes):
-            branch = (row.lookup.propose_chain(shape.branch_depth, sampling, generator).tokens
-                      if shape is not None else None)
-            if tree.q is not None or branch is None or not branch.numel():
-                out.append(tree)
-                continue
-            row.used_lookup += 1
-            out.append(with_branch(tree, branch.to(tree.tokens.device)))
-        return out
+        return [tree if shape is None else row.with_lookup(tree, shape)
+                for row, tree, shape in zip(self.rows, trees, shapes)]
 
     def advance(self, updates) -> None:
         for row, (tokens, _) in zip(self.rows, updates):

@@ -51,15 +51,21 @@ class PromptLookupDrafter:
         self._length = end
 
     def propose_chain(self, n: int, sampling: SamplingParams, generator: torch.Generator | None) -> ChainDraft:
+        return ChainDraft(tokens=self.continuation([], n), q=None)
+
+    def continuation(self, extra: list[int], n: int) -> torch.Tensor:
+        """Up to ``n`` tokens that followed the latest earlier occurrence of the context's last n-gram, the context
+        read as if ``extra`` (tokens not committed yet, a draft's guess) followed it; empty when nothing matches."""
         context = self._buffer[: self._length]
-        for size in range(min(self.max_ngram, self._length - 1), self.min_ngram - 1, -1):
-            # Windows that start before the final n-gram itself, so a match always has a continuation.
+        tail = torch.cat([context, torch.tensor(extra, dtype=torch.long)]) if extra else context
+        for size in range(min(self.max_ngram, tail.numel() - 1, self._length - 1), self.min_ngram - 1, -1):
+            # Windows of the committed context that end before its last token, so a match always has a continuation.
             windows = context[:-1].unfold(0, size, 1)
-            hits = torch.nonzero((windows == context[-size:]).all(dim=1))
+            hits = torch.nonzero((windows == tail[-size:]).all(dim=1))
             if hits.numel():
                 start = int(hits[-1, 0]) + size
-                return ChainDraft(tokens=context[start : start + n].clone(), q=None)
-        return ChainDraft(tokens=torch.empty(0, dtype=torch.long), q=None)
+                return context[start : start + n].clone()
+        return torch.empty(0, dtype=torch.long)
 
     def propose_tree(self, shape: TreeShape, sampling: SamplingParams, generator: torch.Generator | None) -> DraftTree:
         raise NotImplementedError("prompt lookup proposes chains only; use method=chain")
@@ -245,21 +251,28 @@ class HybridDrafter:
     needs_aux = True
     supports_tree = True
 
-    def __init__(self, eagle: EagleDrafter, lookup: PromptLookupDrafter, draft_tokens: int = 0):
+    def __init__(self, eagle: EagleDrafter, lookup: PromptLookupDrafter, draft_tokens: int = 0, extend: int = 0):
         if draft_tokens < 0:
             raise ConfigError(f"hybrid draft_tokens must be >= 0 (0: the chain's length), got {draft_tokens}")
+        if extend < 0:
+            raise ConfigError(f"hybrid extend must be >= 0 (0: off), got {extend}")
         self.eagle = eagle
         self.lookup = lookup
         self.draft_tokens = draft_tokens
         """The draft's chains stop at this many tokens (0: as many as asked); lookup continuations do not."""
+        self.extend = extend
+        """Trees: the draft's first ``extend`` first tokens each get a lookup continuation too, found as if that
+        token were committed (0: only the root's lookup branch)."""
         self.aux_layer_ids = eagle.aux_layer_ids
         self.draft_to_target = eagle.draft_to_target
         self.target_vocab_size = eagle.target_vocab_size
         self.used_lookup = 0
         """Rounds whose proposal came from prompt lookup (chains) or carried a lookup branch (trees)."""
+        self.extended = 0
+        """Lookup branches hung under the draft's first tokens (``extend``)."""
 
     def fresh(self) -> HybridDrafter:
-        return HybridDrafter(self.eagle.fresh(), self.lookup.fresh(), self.draft_tokens)
+        return HybridDrafter(self.eagle.fresh(), self.lookup.fresh(), self.draft_tokens, self.extend)
 
     def draft_length(self, n: int) -> int:
         return min(n, self.draft_tokens) if self.draft_tokens else n
@@ -280,14 +293,28 @@ class HybridDrafter:
         return self.eagle.propose_chain(self.draft_length(n), sampling, generator)
 
     def propose_tree(self, shape: TreeShape, sampling: SamplingParams, generator: torch.Generator | None) -> DraftTree:
-        tree = self.eagle.propose_tree(shape, sampling, generator)
+        return self.with_lookup(self.eagle.propose_tree(shape, sampling, generator), shape)
+
+    def with_lookup(self, tree: DraftTree, shape: TreeShape) -> DraftTree:
+        """The draft's ``tree`` with its lookup branches: the context's continuation from the root, and with
+        ``extend``, the continuation after each of the draft's first ``extend`` first tokens (the one that is right
+        then leads into text the context repeats). Trees of sampled children are left as they are."""
         if tree.q is not None:
             return tree
-        branch = self.lookup.propose_chain(shape.branch_depth, sampling, generator).tokens
-        if not branch.numel():
-            return tree
-        self.used_lookup += 1
-        return with_branch(tree, branch.to(tree.tokens.device))
+        branches = [self.lookup.continuation([], shape.branch_depth)]
+        if self.extend and shape.branch_depth > 1:
+            firsts = [t for t, d in zip(tree.tokens.tolist(), tree.depths.tolist()) if d == 1][: self.extend]
+            for token in firsts:
+                more = self.lookup.continuation([token], shape.branch_depth - 1)
+                if more.numel():
+                    branches.append(torch.cat([torch.tensor([token]), more]))
+                    self.extended += 1
+        branches = [b for b in branches if b.numel()]
+        if branches:
+            self.used_lookup += 1
+        for branch in branches:
+            tree = with_branch(tree, branch.to(tree.tokens.device))
+        return tree
 
 
 def with_branch(tree: DraftTree, branch: torch.Tensor) -> DraftTree:

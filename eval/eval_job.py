@@ -59,6 +59,10 @@ class EvalJobConfig:
     """The hybrid's draft chains stop at this many tokens (its lookup continuations still run to
     ``eval.num_draft_tokens``); 0: the same length. A draft that is seldom right past depth 1 costs a draft step and
     a verified position for each token it adds, while a lookup match is free and often long."""
+    hybrid_extend: int = 0
+    """Trees: the hybrid also hangs a lookup continuation under each of the draft's first ``hybrid_extend`` first
+    tokens, found as if that token were committed (when the draft is right, the text it starts is often one the
+    context repeats); 0: only the root's lookup branch."""
     draft_alone: bool = True
     """Run the draft on its own (row ``eagle3``); false keeps only the hybrid and the baselines."""
     draft_min_prob: float = 0.0
@@ -104,7 +108,8 @@ def run(cfg: EvalJobConfig) -> dict[str, Any]:
             lookup = PromptLookupDrafter(max_ngram=max(cfg.prompt_lookup_max_ngram, cfg.hybrid_min_ngram),
                                          min_ngram=cfg.hybrid_min_ngram)
             drafters[f"eagle3+lookup{suffix}"] = HybridDrafter(EagleDrafter(drafter.draft, cfg.draft_min_prob), lookup,
-                                                               draft_tokens=cfg.hybrid_draft_tokens)
+                                                               draft_tokens=cfg.hybrid_draft_tokens,
+                                                               extend=cfg.hybrid_extend)
     if is_sweep_dir(cfg.draft or ""):
         draft_meta["sweep_jobs"] = {str(r["job"]): r["overrides"] for _, r in sweep_jobs(cfg.draft, "train")}
     if cfg.prompt_lookup:

@@ -251,16 +251,22 @@ def test_hybrid_drafter_is_exact(verifier, method, batch_size):
     made: list[HybridDrafter] = []
 
     def factory():
-        made.append(HybridDrafter(eagle(), PromptLookupDrafter(max_ngram=2, min_ngram=1)))
+        # extend=2: the draft's first two first tokens carry lookup continuations too (hybrid_extend)
+        made.append(HybridDrafter(eagle(), PromptLookupDrafter(max_ngram=2, min_ngram=1), extend=2))
         return made[-1]
 
     # The lookup branch may reach deeper than the draft's own tree (TreeShape.lookup_depth).
     shape = TreeShape(depth=2, top_k=3, total_tokens=6, sampled_children=False, lookup_depth=4)
-    report = exactness_check(verifier, factory, method, 300, prompt_ids=REPEATING, sampling=SAMPLING,
+    # Odd ids (the draft's vocabulary) in front, so that the draft's first tokens occur in the context: the
+    # extensions then find continuations.
+    prompt = torch.cat([torch.arange(1, VOCAB, 2), REPEATING])
+    report = exactness_check(verifier, factory, method, 300, prompt_ids=prompt, sampling=SAMPLING,
                              tree_shape=shape, aux_layer_ids=[0, 1, 1], batch_size=batch_size)
     print(report.describe())
     assert report.passed, report.describe()
     assert sum(d.used_lookup for d in made) > 0  # the lookup branch was taken, and verified exactly
+    if method == "tree":
+        assert sum(d.extended for d in made) > 0  # and branches under the draft's first tokens
 
 
 def test_a_lookup_branch_joins_the_tree_where_it_agrees():

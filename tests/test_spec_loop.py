@@ -14,7 +14,7 @@ import torch
 from fledge.eval.chain import generate_chain
 from fledge.eval.drafters import EagleDrafter, HybridDrafter, PromptLookupDrafter, RandomDrafter
 from fledge.eval.exactness import tiny_verifier
-from fledge.eval.proposals import TreeShape, grow_tree, propose_chain_with
+from fledge.eval.proposals import DraftTree, TreeShape, grow_tree, propose_chain_with
 from fledge.eval.runner import EvalConfig, evaluate, stable_figures
 from fledge.eval.tree import generate_tree, tree_attention_mask
 from fledge.eval.verifier_state import ROUND_PARTS, VerifierState, generate_plain
@@ -220,6 +220,10 @@ def test_prompt_lookup_proposals():
     drafter.advance(torch.tensor([2]), None)
     # Longest n-gram first: "8 2" and "3 8 2" are new, "2" last occurred before 3 (position 7).
     assert drafter.propose_chain(3, SamplingParams(), None).tokens.tolist() == [3, 8, 2]
+    # The context read as if a guessed token followed it: "2 4" never occurred, "4" did (before 5 9).
+    assert drafter.continuation([4], 2).tolist() == [5, 9]
+    assert drafter.continuation([3, 8], 3).tolist() == [2]  # "2 3 8" occurred, then the last token, 2
+    assert drafter.continuation([77], 3).numel() == 0
 
 
 # --- the EAGLE-3 drafter ------------------------------------------------------------------------------------
@@ -468,6 +472,72 @@ def test_a_shallow_hybrid_tree_carries_a_long_lookup_branch(verifier, reference)
     assert trace_depth("chain", 5, 1, result.proposed) == 5
     with pytest.raises(ConfigError, match="lookup_depth"):
         TreeShape(depth=1, top_k=1, total_tokens=1, lookup_depth=-1)
+
+
+class FixedTree:
+    """A stand-in draft whose tree is always the same first tokens (depth 1), to see where lookup branches go."""
+
+    aux_layer_ids = draft_to_target = None
+    target_vocab_size = VOCAB
+
+    def __init__(self, firsts: list[int]):
+        self.firsts = firsts
+
+    def start(self, context, aux):
+        pass
+
+    def propose_tree(self, shape, sampling, generator):
+        n = len(self.firsts)
+        return DraftTree(tokens=torch.tensor(self.firsts), parents=torch.full((n,), -1),
+                         depths=torch.ones(n, dtype=torch.long), q=None, q_rows=[-1] * (n + 1), draft_to_target=None)
+
+
+def test_hybrid_extend_hangs_lookup_continuations_under_the_drafts_first_tokens(verifier, reference):
+    """``hybrid_extend``: the draft's first tokens each get the continuation the context would have after them,
+    the first ``extend`` of them in the draft's order; batch 1 and the batched hybrid build the same trees, and the
+    greedy output stays plain greedy's."""
+    from fledge.core.errors import ConfigError
+    from fledge.eval.batch_draft import batch_drafter
+
+    # "9 2" never occurred: no root branch. "2 7" did (then 40 41 42), "2 5" did (then 30 31 32), "2 9" did not.
+    context = torch.tensor([1, 2, 5, 30, 31, 32, 8, 2, 7, 40, 41, 42, 9, 2])
+    shape = TreeShape(depth=1, top_k=3, total_tokens=3, lookup_depth=4)
+
+    def tree(extend: int) -> DraftTree:
+        hybrid = HybridDrafter(FixedTree([7, 9, 5]), PromptLookupDrafter(max_ngram=3, min_ngram=2), extend=extend)
+        hybrid.start(context, None)
+        return hybrid.propose_tree(shape, SamplingParams(), None)
+
+    assert tree(0).tokens.tolist() == [7, 9, 5]
+    one = tree(1)
+    assert one.tokens.tolist() == [7, 9, 5, 40, 41, 42] and one.parents.tolist() == [-1, -1, -1, 0, 3, 4]
+    assert one.depths.tolist() == [1, 1, 1, 2, 3, 4]
+    three = tree(3)  # 9 has no continuation; 5 gets 30 31 32, cut at the branch's depth
+    assert three.tokens.tolist() == [7, 9, 5, 40, 41, 42, 30, 31, 32]
+    assert three.parents.tolist() == [-1, -1, -1, 0, 3, 4, 2, 6, 7]
+    with pytest.raises(ConfigError, match="extend"):
+        HybridDrafter(FixedTree([1]), PromptLookupDrafter(), extend=-1)
+
+    draft = random_eagle(verifier)
+    # Every id of the draft's vocabulary occurs in the context: whatever its first tokens, each has a continuation.
+    repeating = torch.arange(10, 10 + 2 * 96, 2).repeat(2)[:150]
+    aux = verifier_aux(verifier, repeating.tolist())[:-1]
+
+    def real(extend: int = 3) -> HybridDrafter:
+        return HybridDrafter(EagleDrafter(draft), PromptLookupDrafter(max_ngram=2, min_ngram=1), extend=extend)
+
+    alone, base = real(), real(0)
+    alone.start(repeating, aux)
+    base.start(repeating, aux)
+    expected = alone.propose_tree(shape, SamplingParams(), None)
+    assert expected.size > base.propose_tree(shape, SamplingParams(), None).size  # extensions added
+    batched = batch_drafter([real(), real()])
+    batched.start([repeating, repeating], [aux, aux])
+    for got in batched.propose_trees([shape, shape], SamplingParams(), None):
+        assert got.tokens.tolist() == expected.tokens.tolist() and got.parents.tolist() == expected.parents.tolist()
+    plain = generate_plain(verifier, repeating, max_new_tokens=MAX_NEW).tokens
+    result = generate_tree(verifier, repeating, real(), shape=shape, max_new_tokens=MAX_NEW, aux_layer_ids=AUX_IDS)
+    assert result.tokens == plain
 
 
 def test_load_eagle_drafter_from_training_and_serving_checkpoints(tiny_verifier_dir, tmp_path):
