@@ -38,7 +38,8 @@ from fledge.data.cache import (
     tokenizer_hash,
     write_shard,
 )
-from fledge.data.sources import DataConfig, load_conversations
+from fledge.data.shipped import warn_if_other_verifier
+from fledge.data.sources import SHIPPED_SOURCE, DataConfig, load_conversations
 from fledge.data.template import Tokenized, tokenize_all
 from fledge.data.vocab import build_draft_vocab, count_tokens, save_draft_vocab
 from fledge.models.capture import forward_hidden
@@ -93,6 +94,8 @@ def _config_hash(cfg: CacheJobConfig, fingerprint: str) -> str:
 def prepare(cfg: CacheJobConfig, info: DistInfo, device: torch.device) -> Prepared:
     verifier = load_verifier(cfg.verifier, device)
     conversations, report = load_conversations(cfg.data)
+    if cfg.data.source == SHIPPED_SOURCE and info.is_main:
+        warn_if_other_verifier(verifier.fingerprint)
     samples, stats = tokenize_all(
         verifier.tokenizer,
         conversations,

@@ -68,6 +68,9 @@ class RegenerateOptions:
     device: str = "auto"
     overwrite: bool = False
     """Replace an output folder that was made for other inputs (otherwise that is refused)."""
+    parts: list[int] | None = None
+    """Only these parts of the plan (the length-sorted groups of ``batch_size``; part 0 holds the shortest prompts):
+    a slice to check a regenerated file against, as ``python -m fledge.data.shipped check`` does. None: all."""
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -80,6 +83,8 @@ class RegenerateOptions:
             raise ConfigError(f"regenerate.temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"regenerate.top_p must be in (0, 1], got {self.top_p}")
+        if self.parts is not None and (not self.parts or min(self.parts) < 0):
+            raise ConfigError(f"regenerate.parts must be null or a non-empty list of indices >= 0, got {self.parts}")
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p)
@@ -263,6 +268,8 @@ def _plan_record(cfg: RegenerateJobConfig, verifier: Verifier, prompts: list[Pro
     for p in prompts:
         h.update(json.dumps([p.index, p.system, p.questions]).encode())
     opts = {k: v for k, v in asdict(cfg.regenerate).items() if k not in ("out_dir", "device", "overwrite")}
+    if opts["parts"] is None:
+        del opts["parts"]  # a whole run's record reads as it did before slices existed
     return {
         "format_version": FORMAT_VERSION,
         "verifier": verifier.name,
@@ -292,9 +299,9 @@ def claim(out_dir: Path, record: dict[str, Any], overwrite: bool) -> None:
     atomic_write_text(plan, json.dumps(record, indent=1))
 
 
-def merge(out_dir: Path, num_parts: int, record: dict[str, Any], seconds: float) -> dict[str, Any]:
+def merge(out_dir: Path, part_ids: list[int], record: dict[str, Any], seconds: float) -> dict[str, Any]:
     rows = []
-    for p in range(num_parts):
+    for p in part_ids:
         with open(out_dir / PART_DIR / part_name(p)) as fh:
             rows += [json.loads(line) for line in fh]
     rows.sort(key=lambda r: r["id"])
@@ -346,7 +353,11 @@ def _run(cfg: RegenerateJobConfig, info: DistInfo, device: torch.device) -> Path
     kwargs = cfg.data.chat_template_kwargs
     stop_ids = stop_token_ids(verifier.tokenizer, getattr(verifier.model, "generation_config", None), kwargs)
     parts = plan_parts(verifier, prompts, opts.batch_size, kwargs)
-    mine = [p for p in range(len(parts)) if p % info.world_size == info.rank]
+    selected = list(range(len(parts))) if opts.parts is None else sorted(set(opts.parts))
+    if selected[-1] >= len(parts):
+        raise ConfigError(f"regenerate.parts: the plan has parts 0..{len(parts) - 1} "
+                          f"({len(prompts)} conversations in groups of {opts.batch_size}), got {opts.parts}")
+    mine = [p for p in selected if p % info.world_size == info.rank]
     todo = [p for p in mine if not (out_dir / PART_DIR / part_name(p)).is_file()]
     if len(todo) < len(mine):
         log.info("rank %d: %d of %d parts already generated", info.rank, len(mine) - len(todo), len(mine))
@@ -374,7 +385,7 @@ def _run(cfg: RegenerateJobConfig, info: DistInfo, device: torch.device) -> Path
     barrier()
     out = out_dir / "conversations.jsonl"
     if info.is_main:
-        manifest = merge(out_dir, len(parts), record, seconds)
+        manifest = merge(out_dir, selected, record, seconds)
         log.info(
             "regenerated %d conversations (%d answers: %s) into %s; %d new tokens in %.0f s on this rank (%.0f tok/s)",
             manifest["conversations_written"],

@@ -14,10 +14,12 @@ without ever holding the whole 125 MB text in memory.
 from __future__ import annotations
 
 import codecs
+import gzip
 import importlib.util
 import json
 import logging
 import time
+import zlib
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -34,6 +36,8 @@ Message = dict[str, str]
 Conversation = list[Message]
 
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
+SHIPPED_SOURCE = "sharegpt-smollm2"
+"""The source name of the shipped regenerated data (data/shipped.py)."""
 MTBENCH_DIR = ("fastchat", "fastchat", "llm_judge", "data", "mt_bench")
 
 ROLE_ALIASES: dict[str, str] = {
@@ -56,8 +60,10 @@ class DataError(FledgeError, ValueError):
 @dataclass
 class DataConfig:
     source: str = "sharegpt"
-    """'sharegpt' (the embedded ShareGPT V3 wheel), 'mtbench', a path to a .jsonl / .json file (ShareGPT form
-    {"conversations":[{"from":..,"value":..}]} or OpenAI form {"messages":[{"role":..,"content":..}]}), or
+    """'sharegpt' (the embedded ShareGPT V3 wheel), 'sharegpt-smollm2' (ShareGPT prompts answered by the default
+    verifier, shipped in data/shipped: see data/shipped.py), 'mtbench', a path to a .jsonl / .jsonl.gz / .json file
+    (ShareGPT form {"conversations":[{"from":..,"value":..}]} or OpenAI form {"messages":[{"role":..,"content":..}]}),
+    or
     'hf:<dataset name or local path>[:<split>]' for any `datasets` dataset with one of those two columns."""
     max_conversations: int | None = None
     """Take the first N usable conversations (counted after skipping bad ones); None takes all."""
@@ -287,14 +293,22 @@ class JsonArrayStream:
 def iter_jsonl(path: Path, skipped: Counter, progress: bool = True) -> Iterator[Any]:
     """The records of a JSON Lines file; lines that do not parse are skipped and counted, unless none parses."""
     path = Path(path)
+    zipped = path.suffix == ".gz"
     try:
-        fh = open(path, "rb")
-        size = path.stat().st_size
+        fh = gzip.open(path, "rb") if zipped else open(path, "rb")
+        size = None if zipped else path.stat().st_size
     except OSError as e:
         raise DataError(f"{path}: cannot read: {e}") from e
     parsed, first_error = 0, None
     with fh, tqdm(total=size, unit="B", unit_scale=True, desc=f"read {path.name}", disable=not progress) as bar:
-        for lineno, raw in enumerate(fh, start=1):
+        lines = enumerate(fh, start=1)
+        while True:
+            try:
+                lineno, raw = next(lines)
+            except StopIteration:
+                break
+            except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
+                raise DataError(f"{path}: not a complete gzip file after {parsed:,} records: {e}") from e
             bar.update(len(raw))
             line = raw.strip()
             if not line:
@@ -464,20 +478,25 @@ def _records(source: str, skipped: Counter) -> tuple[Iterable[Any], JsonArrayStr
         return stream, stream
     if source == "mtbench":
         return _mtbench_records(), None
+    if source == SHIPPED_SOURCE:
+        from fledge.data.shipped import shipped_path  # imports this module
+
+        return iter_jsonl(shipped_path(), skipped), None
     if source.startswith("hf:"):
         return _hf_records(source), None
     path = Path(source).expanduser()
-    if path.suffix in (".json", ".jsonl"):
+    if path.suffix in (".json", ".jsonl") or path.name.endswith(".jsonl.gz"):
         if not path.exists():
             raise DataError(f"{path}: no such file")
         if not path.is_file():
             raise DataError(f"{path}: not a file")
-        if path.suffix == ".jsonl":
+        if path.suffix in (".jsonl", ".gz"):
             return iter_jsonl(path, skipped), None
         stream = JsonArrayStream(path)
         return stream, stream
     raise DataError(
-        f"source {source!r}: not 'sharegpt', 'mtbench', a .json / .jsonl file, nor hf:<dataset name or path>[:<split>]"
+        f"source {source!r}: not 'sharegpt', 'sharegpt-smollm2', 'mtbench', a .json / .jsonl / .jsonl.gz file, "
+        "nor hf:<dataset name or path>[:<split>]"
     )
 
 
