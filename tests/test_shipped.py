@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from fledge.core.errors import ConfigError
-from fledge.data import shipped
+from fledge.data import shipped, sources
 from fledge.data.sources import DataConfig, DataError, load_conversations
 from fledge.launch.cli import run_stage
 
@@ -48,7 +48,7 @@ def test_the_cache_warns_when_the_shipped_answers_are_another_verifiers(caplog):
 def test_missing_or_damaged_shipped_data_is_named_with_the_command_that_rebuilds_it(tmp_path, monkeypatch):
     copy = tmp_path / "shipped"
     shutil.copytree(shipped.SHIPPED_DIR, copy)
-    monkeypatch.setattr(shipped, "SHIPPED_DIR", copy)
+    monkeypatch.setattr(sources, "SHIPPED_DIR", copy)
     assert shipped.shipped_path() == copy / shipped.DATA_FILE
 
     data = bytearray((copy / shipped.DATA_FILE).read_bytes())
@@ -108,6 +108,7 @@ def test_a_slice_of_parts_cut_short_is_the_beginning_of_the_full_answers(tmp_pat
 
     with pytest.raises(ConfigError, match=r"parts 0\.\.2"):
         run_stage("regenerate", [*common, "regenerate.parts=[3]", f"regenerate.out_dir={tmp_path / 'bad'}"])
+    assert not (tmp_path / "bad").exists()  # refused before the folder is claimed
     with pytest.raises(ConfigError, match="regenerate.parts"):
         run_stage("regenerate", [*common, "regenerate.parts=[]", f"regenerate.out_dir={tmp_path / 'bad'}"])
 
