@@ -1,10 +1,11 @@
 """The shipped training data: ShareGPT prompts answered by the default verifier (``data.source=sharegpt-smollm2``).
 
 EAGLE-3 trains its draft on the verifier's own answers, but regenerating them costs more than a small CPU budget has:
-batched greedy decoding runs at ~100 tokens/s on 2 cores. So the answers are generated once, with the command below,
+batched greedy decoding runs at ~70 tokens/s on 2 cores. So the answers are generated once, with the command below,
 and shipped in the repository as ``data/shipped/sharegpt-smollm2.jsonl.gz`` (one OpenAI-form record per line,
 the ``conversations.jsonl`` that ``fledge regenerate`` writes) beside a manifest that holds its sha256, the exact
-overrides, and the box and library versions it was made on.
+overrides, and the box and library versions it was made on. The source reads it through
+``data.sources.shipped_path``, which checks the sha256 first and names the rebuild command when it fails.
 
     python -m fledge.data.shipped build   # runs the regenerate command below, then packs and fingerprints the file
     python -m fledge.data.shipped check   # regenerates a slice (part 0, 16 tokens of each answer): identical?
@@ -32,9 +33,9 @@ from typing import Any
 from fledge.data import sources
 from fledge.data.sources import SHIPPED_BUILD_COMMAND as BUILD_COMMAND
 from fledge.data.sources import SHIPPED_DATA_FILE as DATA_FILE
-from fledge.data.sources import SHIPPED_DIR, DataError, file_sha256, shipped_path
 from fledge.data.sources import SHIPPED_MANIFEST_FILE as MANIFEST_FILE
 from fledge.data.sources import SHIPPED_SOURCE as SOURCE
+from fledge.data.sources import DataError, file_sha256, shipped_path
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from conftest import write_sharegpt_jsonl
 
 
 def test_the_shipped_file_matches_its_manifest_and_loads_as_a_source():
-    manifest = json.loads((shipped.SHIPPED_DIR / shipped.MANIFEST_FILE).read_text())
+    manifest = json.loads((sources.SHIPPED_DIR / shipped.MANIFEST_FILE).read_text())
     records = shipped.read_records(shipped.shipped_path())
     assert len(records) == manifest["conversations"] >= 500
     assert manifest["regenerate_overrides"] == shipped.REGENERATE_OVERRIDES
@@ -38,7 +38,7 @@ def test_the_shipped_file_matches_its_manifest_and_loads_as_a_source():
 
 
 def test_the_cache_warns_when_the_shipped_answers_are_another_verifiers(caplog):
-    own = json.loads((shipped.SHIPPED_DIR / shipped.MANIFEST_FILE).read_text())["verifier_fingerprint"]
+    own = json.loads((sources.SHIPPED_DIR / shipped.MANIFEST_FILE).read_text())["verifier_fingerprint"]
     assert not shipped.warn_if_other_verifier(own)
     with caplog.at_level("WARNING"):
         assert shipped.warn_if_other_verifier("0" * 64)
@@ -47,7 +47,8 @@ def test_the_cache_warns_when_the_shipped_answers_are_another_verifiers(caplog):
 
 def test_missing_or_damaged_shipped_data_is_named_with_the_command_that_rebuilds_it(tmp_path, monkeypatch):
     copy = tmp_path / "shipped"
-    shutil.copytree(shipped.SHIPPED_DIR, copy)
+    original = sources.SHIPPED_DIR
+    shutil.copytree(original, copy)
     monkeypatch.setattr(sources, "SHIPPED_DIR", copy)
     assert shipped.shipped_path() == copy / shipped.DATA_FILE
 
@@ -63,7 +64,7 @@ def test_missing_or_damaged_shipped_data_is_named_with_the_command_that_rebuilds
         load_conversations(DataConfig(source=shipped.SOURCE))
     assert shipped.BUILD_COMMAND in err.value.fix
 
-    shutil.copy(shipped.SHIPPED_DIR / shipped.DATA_FILE, copy / shipped.DATA_FILE)
+    shutil.copy(original / shipped.DATA_FILE, copy / shipped.DATA_FILE)
     (copy / shipped.MANIFEST_FILE).write_text("{")
     with pytest.raises(DataError, match="manifest is damaged"):
         shipped.shipped_path()
