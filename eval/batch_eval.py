@@ -107,6 +107,7 @@ def evaluate_batched(
         }
         group_plain = [(sum(len(r.tokens) for r in plain[i * size : (i + 1) * size]), plain_seconds[i])
                        for i in range(len(groups))]
+        units: dict[str, list[tuple[int, float]]] = {}  # (tokens, seconds) per group, to pair with prompt lookup's
         for name, _ in drafters:
             results = rows[name]
             num_draft = trace_depth(methods[name], cfg.num_draft_tokens, cfg.tree_depth,
@@ -116,6 +117,7 @@ def evaluate_batched(
             tokens = sum(len(r.tokens) for r in results)
             per_group = [(sum(len(r.tokens) for r in results[i * size : (i + 1) * size]), seconds[name][i], *gp)
                          for i, gp in enumerate(group_plain)]
+            units[name] = [(g[0], g[1]) for g in per_group]
             speedup, interval = _group_speedup(per_group)
             per_prompt_tau = [(sum(a + 1 for a in r.accepted), len(r.accepted)) for r in results]
             d = {"method": methods[name], **summarize(trace),
@@ -129,9 +131,7 @@ def evaluate_batched(
             if greedy is not None:
                 d.update(greedy)
             entry["drafters"][name] = d
-        compare_with_reference(entry["drafters"], {
-            name: [(sum(len(r.tokens) for r in rows[name][i * size : (i + 1) * size]), seconds[name][i])
-                   for i in range(len(groups))] for name, _ in drafters})
+        compare_with_reference(entry["drafters"], units)
         out[str(size)] = entry
     return out
 
