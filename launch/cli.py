@@ -94,6 +94,10 @@ STAGES: dict[str, Stage] = {
     "sweep_table": Stage(
         "", "fledge.launch.sweep:table_main", "one table (and a PNG) from a sweep's folder", hydra=False
     ),
+    "sweep_budget": Stage(
+        "", "fledge.launch.sweep:budget_main", "what a larger budget buys: a table and τ against training minutes",
+        hydra=False,
+    ),
     "export_check": Stage("", "fledge.export.job:check_main", "validate any EAGLE-3 checkpoint", hydra=False),
 }
 

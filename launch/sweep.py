@@ -9,6 +9,15 @@ with ``sweep.json``: the stage, the job's overrides, its start, its seconds and 
 given a sweep folder evaluates every finished training job's draft side by side, interleaved prompt by prompt, as
 rows ``eagle3#<job>``. The table joins what each job trained (steps, tokens, minutes, held-out acc_0) with what
 the evaluation measured (τ, speed-up and its interval).
+
+What a larger budget buys is a table of whole runs rather than of one sweep's jobs:
+
+    fledge quickstart budget_minutes=60 run_dir=runs/qs60
+    fledge eval draft=runs/qs60/train eval.out_dir=runs/qs60_e24 eval.max_prompts=24 ...   # optional, larger eval
+    fledge sweep budget runs/qs20 runs/qs60 runs/qs60_e24 --out runs/budget                 # budget.md + budget.png
+
+Each quickstart run gives its budget, plan against actual and training figures; each set's τ comes from the largest
+evaluation of the run's draft among the folders given (the quickstart's own, or a ``fledge eval`` of ``<run>/train``).
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from typing import Any, Iterator
 from fledge.core.errors import ConfigError
 from fledge.core.files import atomic_write_text
 from fledge.core.sweep import SWEEP_FILE, sweep_jobs
+from fledge.eval.metrics import REFERENCE_DRAFTER
 
 log = logging.getLogger(__name__)
 
@@ -213,6 +223,161 @@ def table_main(argv: list[str]) -> int:
     print(text)
     print(f"\ntable: {sweep_dir / 'table.md'}")
     png = plot_tau(rows, sweep_dir / "tau.png")
+    if png is not None:
+        print(f"plot:  {png}")
+    return 0
+
+
+# ---- what a larger budget buys: whole runs, not one sweep's jobs
+
+PLAN_FILE = "plan.json"
+"""What ``fledge quickstart`` writes into its run folder: the budget, the plan's sizes and plan against actual."""
+
+
+def _runs_and_reports(folders: list[Path]) -> tuple[list[dict[str, Any]], list[tuple[Path, dict[str, Any]]]]:
+    """Split the folders given into runs (a quickstart run folder, with ``plan.json``; or a training output, with
+    ``metrics.jsonl``) and evaluations (a folder with ``report.json`` and no plan)."""
+    runs, reports = [], []
+    for folder in folders:
+        if (folder / PLAN_FILE).is_file():
+            plan = json.loads((folder / PLAN_FILE).read_text())
+            runs.append({"folder": folder, "draft": folder / "train", "plan": plan})
+            if (folder / "eval" / "report.json").is_file():
+                reports.append((folder / "eval", json.loads((folder / "eval" / "report.json").read_text())))
+        elif (folder / "metrics.jsonl").is_file():
+            runs.append({"folder": folder, "draft": folder, "plan": None})
+        elif (folder / "report.json").is_file():
+            reports.append((folder, json.loads((folder / "report.json").read_text())))
+        else:
+            raise ConfigError(f"{folder} is neither a run nor an evaluation (no {PLAN_FILE}, metrics.jsonl or "
+                              "report.json)",
+                              fix="give quickstart run folders, training output folders and fledge eval out_dirs")
+    if not runs:
+        raise ConfigError("no run among the folders given",
+                          fix="give at least one quickstart run folder (with plan.json) or training output folder")
+    return runs, reports
+
+
+def budget_table(folders: list[str | Path]) -> list[dict[str, Any]]:
+    """One row per (run, prompt set, drafter): the run's budget, data, training figures and wall time beside τ,
+    speed-up and throughput over prompt lookup from the largest evaluation of its draft (most prompts; the later
+    folder given on a tie). An evaluation of a draft that none of the runs trained is refused by name."""
+    runs, reports = _runs_and_reports([Path(f) for f in folders])
+    by_draft = {run["draft"].resolve(): run for run in runs}
+    chosen: dict[tuple[Path, str], tuple[Path, dict[str, Any]]] = {}
+    for folder, report in reports:
+        draft = Path(report.get("draft", {}).get("path") or "").resolve()
+        if draft not in by_draft:
+            raise ConfigError(f"{folder}/report.json evaluates {report.get('draft', {}).get('path')}, which none of "
+                              "the runs given trained",
+                              fix="give the run folder too, or leave the evaluation out")
+        for set_name, entry in report.get("sets", {}).items():
+            best = chosen.get((draft, set_name))
+            if best is None or entry.get("num_prompts", 0) >= best[1]["sets"][set_name].get("num_prompts", 0):
+                chosen[(draft, set_name)] = (folder, report)
+    table = []
+    for run in runs:
+        plan = run["plan"] or {}
+        base = {"run": run["folder"].name,
+                "budget": plan["budget_s"] / 60 if plan.get("budget_s") else None,
+                "conversations": plan.get("sizes", {}).get("cache"), "epochs": plan.get("sizes", {}).get("train"),
+                "wall_minutes": sum(plan["actual_s"].values()) / 60 if plan.get("actual_s") else None,
+                **_training_figures(run["draft"])}
+        sets = [(s, f, r) for (d, s), (f, r) in chosen.items() if d == run["draft"].resolve()]  # as reported
+        if not sets:
+            table.append(base)
+        for set_name, folder, report in sets:
+            entry = report["sets"][set_name]
+            for name, d in entry.get("drafters", {}).items():
+                vs = d.get("vs_prompt_lookup") or {}
+                table.append({**base, "set": set_name, "drafter": name, "prompts": entry.get("num_prompts"),
+                              "report": str(folder), "tau": d.get("tau"), "speedup": d.get("speedup"),
+                              "interval": d.get("speedup_interval"), "vs_lookup": vs.get("throughput_ratio"),
+                              "vs_lookup_interval": vs.get("interval")})
+    return table
+
+
+def _ratio(value: Any, interval: Any) -> str:
+    if value is None:
+        return "-"
+    lo, hi = interval or (None, None)
+    return f"{value:.2f}x [{_fmt(lo, '.2f')}, {_fmt(hi, '.2f')}]"
+
+
+def budget_markdown(rows: list[dict[str, Any]]) -> str:
+    head = ("| run | budget min | conversations | epochs | steps | tokens trained | train min | wall min "
+            "| held-out acc_0 | set | prompts | drafter | τ | speed-up [95%] | vs prompt lookup [95%] |")
+    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['run']} | {_fmt(r.get('budget'), '.0f')} | {_fmt(r.get('conversations'), 'd')} | "
+            f"{_fmt(r.get('epochs'), '.2f')} | {_fmt(r.get('steps'), 'd')} | {_fmt(r.get('tokens'), ',d')} | "
+            f"{_fmt(r.get('minutes'), '.1f')} | {_fmt(r.get('wall_minutes'), '.1f')} | {_fmt(r.get('acc_0'), '.3f')} | "
+            f"{r.get('set', '-')} | {_fmt(r.get('prompts'), 'd')} | {r.get('drafter', '-')} | "
+            f"{_fmt(r.get('tau'), '.2f')} | {_ratio(r.get('speedup'), r.get('interval'))} | "
+            f"{_ratio(r.get('vs_lookup'), r.get('vs_lookup_interval'))} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_budget(rows: list[dict[str, Any]], path: Path) -> Path | None:
+    """τ against training minutes, one line per (prompt set, drafter) through the runs, each point labelled with
+    its budget; prompt lookup, which trains nothing, as a dotted level per set."""
+    points = [r for r in rows if r.get("tau") is not None and r.get("minutes") is not None]
+    if not points:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    markers = {}
+    for set_name, drafter in sorted({(r["set"], r["drafter"]) for r in points}):
+        mine = sorted((r for r in points if r["set"] == set_name and r["drafter"] == drafter),
+                      key=lambda r: r["minutes"])
+        marker = markers.setdefault(set_name, "os^vDP"[len(markers) % 6])
+        xs, ys = [r["minutes"] for r in mine], [r["tau"] for r in mine]
+        if drafter == REFERENCE_DRAFTER:  # trains nothing: the same τ at every budget
+            ax.axhline(sum(ys) / len(ys), linestyle=":", color="grey", linewidth=1)
+            ax.annotate(f"{set_name}/{drafter}", (max(xs), sum(ys) / len(ys)), fontsize=7, color="grey",
+                        xytext=(3, 3), textcoords="offset points")
+            continue
+        ax.plot(xs, ys, marker=marker, label=f"{set_name}/{drafter}")
+        for r in mine:
+            label = r["run"] if r.get("budget") is None else f"{r['budget']:.0f} min"
+            ax.annotate(label, (r["minutes"], r["tau"]), fontsize=7, xytext=(3, -9), textcoords="offset points")
+    ax.set_xlabel("training minutes")
+    ax.set_ylabel("acceptance length τ")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def budget_main(argv: list[str]) -> int:
+    """``fledge sweep budget FOLDER... [--out DIR]``: print the table, write ``budget.md`` and ``budget.png``."""
+    out = None
+    if "--out" in argv:
+        at = argv.index("--out")
+        if at + 1 >= len(argv):
+            argv = []
+        else:
+            out, argv = Path(argv[at + 1]), argv[:at] + argv[at + 2:]
+    if not argv or any(a.startswith("-") for a in argv):
+        print("usage: fledge sweep budget FOLDER... [--out DIR]   (quickstart run folders, training output folders "
+              "and fledge eval out_dirs of their drafts)")
+        return 2
+    rows = budget_table(argv)
+    out = out or Path(argv[0])
+    out.mkdir(parents=True, exist_ok=True)
+    text = budget_markdown(rows)
+    atomic_write_text(out / "budget.md", text + "\n")
+    print(text)
+    print(f"\ntable: {out / 'budget.md'}")
+    png = plot_budget(rows, out / "budget.png")
     if png is not None:
         print(f"plot:  {png}")
     return 0

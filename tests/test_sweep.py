@@ -8,8 +8,9 @@ import json
 import pytest
 
 from fledge.core.errors import ConfigError
+from fledge.launch.budget import BoxRates, Plan
 from fledge.launch.cli import run_stage
-from fledge.launch.sweep import short_overrides, sweep_table, table_main, varying_overrides
+from fledge.launch.sweep import budget_main, budget_table, short_overrides, sweep_table, table_main, varying_overrides
 
 from test_train_fixtures import build_cache, run_cli, shared_root, train_overrides
 
@@ -71,3 +72,65 @@ def test_the_levers_are_the_overrides_that_vary():
 def test_short_overrides_keep_the_last_key():
     assert short_overrides(["train.head_init=verifier", "ttt.ttt_steps=2", "seed=3"]) == \
         "head_init=verifier ttt_steps=2 seed=3"
+
+
+def _quickstart_run(folder, budget_minutes, steps, tau, prompts):
+    """A quickstart run folder as ``fledge quickstart`` leaves it: plan.json, train/metrics.jsonl, eval/report.json."""
+    rates = BoxRates(cache_tokens_per_s=800.0, train_tokens_per_s=1000.0, decode_tokens_per_s=17.0,
+                     train_dtype="bf16", probe_seconds=50.0)
+    plan = Plan(budget_minutes * 60, rates, [100, 200], eval_rows=10, eval_new_tokens=96,
+                sizes={"cache": 2, "train": 2.0, "eval": prompts},
+                actual_s={"probe": 50.0, "cache": 100.0, "train": 60.0 * steps, "eval": 90.0, "export": 1.0})
+    folder.mkdir(parents=True)
+    plan.save(folder / "plan.json")
+    (folder / "train").mkdir()
+    lines = [{"step": 0, "time": 1000.0}]
+    lines += [{"step": s, "time": 1000.0 + 60.0 * s, "loss": 3.0, "tokens_seen": 1000 * s} for s in range(1, steps + 1)]
+    lines += [{"step": steps, "time": 1000.0 + 60.0 * steps, "eval/acc_0": 0.1 * steps}]
+    (folder / "train" / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    _report(folder / "eval", folder / "train", tau, prompts)
+
+
+def _report(folder, draft, tau, prompts):
+    drafters = {"eagle3": {"tau": tau, "speedup": 1.1, "speedup_interval": [1.0, 1.2],
+                           "vs_prompt_lookup": {"throughput_ratio": 0.9, "interval": [0.8, 1.0]}},
+                "prompt_lookup": {"tau": 1.4, "speedup": 1.2, "speedup_interval": [1.1, 1.3]}}
+    report = {"draft": {"path": str(draft)}, "sets": {"mtbench": {"num_prompts": prompts, "drafters": drafters}}}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "report.json").write_text(json.dumps(report))
+
+
+def test_the_budget_table_joins_runs_with_their_largest_evaluation(tmp_path, capsys):
+    _quickstart_run(tmp_path / "qs20", 20, steps=2, tau=1.5, prompts=5)
+    _quickstart_run(tmp_path / "qs60", 60, steps=6, tau=1.7, prompts=9)
+    _report(tmp_path / "qs60_e24", tmp_path / "qs60" / "train", tau=1.9, prompts=24)  # the larger eval wins
+
+    rows = budget_table([tmp_path / "qs20", tmp_path / "qs60", tmp_path / "qs60_e24"])
+    eagle = {r["run"]: r for r in rows if r["drafter"] == "eagle3"}
+    assert eagle["qs20"]["tau"] == 1.5 and eagle["qs20"]["prompts"] == 5 and eagle["qs20"]["budget"] == 20
+    assert eagle["qs60"]["tau"] == 1.9 and eagle["qs60"]["prompts"] == 24
+    assert eagle["qs60"]["report"] == str(tmp_path / "qs60_e24")
+    assert eagle["qs60"]["steps"] == 6 and eagle["qs60"]["minutes"] == 6.0 and eagle["qs60"]["acc_0"] == pytest.approx(0.6)
+    assert eagle["qs60"]["wall_minutes"] == (50 + 100 + 360 + 90 + 1) / 60
+    assert eagle["qs60"]["vs_lookup"] == 0.9 and eagle["qs60"]["vs_lookup_interval"] == [0.8, 1.0]
+
+    out = tmp_path / "budget"
+    assert budget_main([str(tmp_path / "qs20"), str(tmp_path / "qs60"), str(tmp_path / "qs60_e24"),
+                        "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| qs60 | 60 | 2 | 2.00 | 6 | 6,000 | 6.0 |" in printed and "0.90x [0.80, 1.00]" in printed
+    assert (out / "budget.md").read_text().count("\n") == len(rows) + 2
+    assert (out / "budget.png").stat().st_size > 0
+    assert budget_main(["--out"]) == 2
+
+
+def test_the_budget_table_refuses_what_it_cannot_place(tmp_path):
+    _quickstart_run(tmp_path / "qs20", 20, steps=2, tau=1.5, prompts=5)
+    _report(tmp_path / "stray", tmp_path / "elsewhere" / "train", tau=1.9, prompts=24)
+    with pytest.raises(ConfigError, match="none of the runs given trained"):
+        budget_table([tmp_path / "qs20", tmp_path / "stray"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="neither a run nor an evaluation"):
+        budget_table([tmp_path / "qs20", tmp_path / "empty"])
+    with pytest.raises(ConfigError, match="no run among"):
+        budget_table([tmp_path / "stray"])
