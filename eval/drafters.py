@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from fledge.core.errors import ConfigError
+from fledge.eval.datastore import NgramDatastore
 from fledge.eval.proposals import ChainDraft, DraftTree, TreeShape, grow_tree, propose_chain_with
 from fledge.models.draft import DraftKVCache, Eagle3Draft
 from fledge.models.sampling import SamplingParams
@@ -21,16 +22,19 @@ class PromptLookupDrafter:
     aux_layer_ids = None
     supports_tree = False
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, datastore: NgramDatastore | None = None):
         if not 1 <= min_ngram <= max_ngram:
             raise ConfigError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+        self.datastore = datastore
+        """Where the context holds no earlier occurrence, the continuation the datastore's answers most often
+        had after the context's last tokens (``eval.datastore``); None: the context alone."""
         self._buffer = torch.empty(0, dtype=torch.long)
         self._length = 0
 
     def fresh(self) -> PromptLookupDrafter:
-        return PromptLookupDrafter(self.max_ngram, self.min_ngram)
+        return PromptLookupDrafter(self.max_ngram, self.min_ngram, self.datastore)
 
     def start(self, context: torch.Tensor, aux: torch.Tensor | None) -> None:
         self._buffer = torch.empty(max(1024, 2 * context.numel()), dtype=torch.long)
@@ -55,7 +59,8 @@ class PromptLookupDrafter:
 
     def continuation(self, extra: list[int], n: int) -> torch.Tensor:
         """Up to ``n`` tokens that followed the latest earlier occurrence of the context's last n-gram, the context
-        read as if ``extra`` (tokens not committed yet, a draft's guess) followed it; empty when nothing matches."""
+        read as if ``extra`` (tokens not committed yet, a draft's guess) followed it; where the context has none,
+        the datastore's continuation of its last tokens (if there is a datastore); empty when nothing matches."""
         context = self._buffer[: self._length]
         tail = torch.cat([context, torch.tensor(extra, dtype=torch.long)]) if extra else context
         for size in range(min(self.max_ngram, tail.numel() - 1, self._length - 1), self.min_ngram - 1, -1):
@@ -65,6 +70,10 @@ class PromptLookupDrafter:
             if hits.numel():
                 start = int(hits[-1, 0]) + size
                 return context[start : start + n].clone()
+        if self.datastore is not None:
+            found = self.datastore.continuation(tail[-self.datastore.max_ngram:].tolist(), n)
+            if found:
+                return torch.tensor(found, dtype=torch.long)
         return torch.empty(0, dtype=torch.long)
 
     def propose_tree(self, shape: TreeShape, sampling: SamplingParams, generator: torch.Generator | None) -> DraftTree:

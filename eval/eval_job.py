@@ -20,6 +20,7 @@ from fledge.core.errors import ConfigError
 from fledge.core.sweep import is_sweep_dir, sweep_jobs
 from fledge.data.sources import load_prompts
 from fledge.eval.batch_eval import batch_figures, batch_table
+from fledge.eval.datastore import load_datastore
 from fledge.eval.drafters import EagleDrafter, HybridDrafter, PromptLookupDrafter
 from fledge.eval.runner import (
     EvalConfig,
@@ -63,6 +64,15 @@ class EvalJobConfig:
     """Trees: the hybrid also hangs a lookup continuation under each of the draft's first ``hybrid_extend`` first
     tokens, found as if that token were committed (when the draft is right, the text it starts is often one the
     context repeats); 0: only the root's lookup branch."""
+    hybrid_datastore: str | None = None
+    """Where the context holds no earlier occurrence of its last n-gram, the hybrid's lookup takes the continuation
+    that most often followed its last 4, 3 or 2 tokens in a datastore of the verifier's own answers
+    (``eval/datastore.py``): ``shipped`` (the default verifier's answers that ship with fledge), any data source or
+    .jsonl file with assistant turns, or None (the context alone). Trees gain a branch; chains take it instead of
+    the draft's chain."""
+    datastore_alone: bool = False
+    """Also run prompt lookup with the hybrid's datastore and no draft (row ``lookup+datastore``): what the
+    datastore buys without training."""
     draft_alone: bool = True
     """Run the draft on its own (row ``eagle3``); false keeps only the hybrid and the baselines."""
     draft_min_prob: float = 0.0
@@ -92,11 +102,16 @@ def _set_name(source: str) -> str:
 
 
 def run(cfg: EvalJobConfig) -> dict[str, Any]:
+    if cfg.datastore_alone and cfg.hybrid_datastore is None:
+        raise ConfigError("datastore_alone=true needs a datastore", fix="set hybrid_datastore=shipped")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     # Its dtype is the evaluation's (verifier.dtype), and its linear layers run the kernel chosen for decoding.
     verifier = load_verifier(cfg.verifier, device, decoding=True)
     drafters: dict[str, Any] = {}
     draft_meta: dict[str, Any] = {}
+    store = None
+    if cfg.hybrid_datastore is not None and ((cfg.hybrid and cfg.draft is not None) or cfg.datastore_alone):
+        store = load_datastore(cfg.hybrid_datastore, verifier.tokenizer, fingerprint=verifier.fingerprint)
     for suffix, path in _draft_paths(cfg.draft).items():
         # A training run / step folder or an exported serving checkpoint, in the verifier's dtype and device.
         drafter = load_eagle_drafter(path, verifier)
@@ -106,7 +121,7 @@ def run(cfg: EvalJobConfig) -> dict[str, Any]:
         draft_meta = {"path": str(cfg.draft), "draft_vocab_size": int(drafter.draft.config.draft_vocab_size)}
         if cfg.hybrid:
             lookup = PromptLookupDrafter(max_ngram=max(cfg.prompt_lookup_max_ngram, cfg.hybrid_min_ngram),
-                                         min_ngram=cfg.hybrid_min_ngram)
+                                         min_ngram=cfg.hybrid_min_ngram, datastore=store)
             drafters[f"eagle3+lookup{suffix}"] = HybridDrafter(EagleDrafter(drafter.draft, cfg.draft_min_prob), lookup,
                                                                draft_tokens=cfg.hybrid_draft_tokens,
                                                                extend=cfg.hybrid_extend)
@@ -114,11 +129,19 @@ def run(cfg: EvalJobConfig) -> dict[str, Any]:
         draft_meta["sweep_jobs"] = {str(r["job"]): r["overrides"] for _, r in sweep_jobs(cfg.draft, "train")}
     if cfg.prompt_lookup:
         drafters["prompt_lookup"] = PromptLookupDrafter(max_ngram=cfg.prompt_lookup_max_ngram)
+    if cfg.datastore_alone:
+        drafters["lookup+datastore"] = PromptLookupDrafter(max_ngram=max(cfg.prompt_lookup_max_ngram,
+                                                                         cfg.hybrid_min_ngram),
+                                                           min_ngram=cfg.hybrid_min_ngram, datastore=store)
     if not drafters:
         raise ConfigError("nothing to evaluate", fix="set draft=... or prompt_lookup=true")
     prompt_sets = {_set_name(s): load_prompts(s) for s in cfg.prompts}
     report = evaluate(verifier, prompt_sets, drafters, cfg.eval)
     report["draft"] = draft_meta
+    if store is not None:
+        report["datastore"] = {"source": cfg.hybrid_datastore, "tokens": store.tokens, "ngrams": len(store),
+                               "n": [store.min_ngram, store.max_ngram], "seconds": store.seconds,
+                               "continuations": store.hits}
     if cfg.eval.out_dir is not None:
         (Path(cfg.eval.out_dir) / "report.json").write_text(json.dumps(report, indent=2))
     _log_wandb(cfg, report)

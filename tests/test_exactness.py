@@ -11,6 +11,7 @@ import torch
 
 import fledge.eval.chain
 import fledge.eval.tree
+from fledge.eval.datastore import NgramDatastore
 from fledge.eval.drafters import HybridDrafter, PromptLookupDrafter, RandomDrafter
 from fledge.eval.exactness import chi2_critical, chi_square, exactness_check, random_eagle_factory, tiny_verifier
 from fledge.eval.proposals import ChainDraft, TreeShape, grow_tree, propose_chain_with
@@ -249,10 +250,14 @@ def test_hybrid_drafter_is_exact(verifier, method, batch_size):
     30 the rows are one ``BatchedHybrid``: the draft batched, the lookup per row."""
     eagle = random_eagle_factory(verifier, [0, 1, 1])
     made: list[HybridDrafter] = []
+    # A datastore (hybrid_datastore) of random text: where the context has no match, its continuations.
+    rng = torch.Generator().manual_seed(0)
+    store = NgramDatastore([torch.randint(0, VOCAB, (64,), generator=rng).tolist() for _ in range(40)],
+                           max_ngram=2, min_ngram=1)
 
     def factory():
         # extend=2: the draft's first two first tokens carry lookup continuations too (hybrid_extend)
-        made.append(HybridDrafter(eagle(), PromptLookupDrafter(max_ngram=2, min_ngram=1), extend=2))
+        made.append(HybridDrafter(eagle(), PromptLookupDrafter(max_ngram=2, min_ngram=1, datastore=store), extend=2))
         return made[-1]
 
     # The lookup branch may reach deeper than the draft's own tree (TreeShape.lookup_depth).
@@ -265,6 +270,7 @@ def test_hybrid_drafter_is_exact(verifier, method, batch_size):
     print(report.describe())
     assert report.passed, report.describe()
     assert sum(d.used_lookup for d in made) > 0  # the lookup branch was taken, and verified exactly
+    assert store.hits > 0  # some of it from the datastore
     if method == "tree":
         assert sum(d.extended for d in made) > 0  # and branches under the draft's first tokens
 

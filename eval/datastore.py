@@ -1,0 +1,97 @@
+"""An n-gram datastore of the verifier's own answers: a continuation for the lookup where the context has none.
+
+Prompt lookup proposes what followed the last n-gram earlier in the prompt or the output, which pays on repetitive
+text and finds nothing in new text. A verifier also repeats itself *across* answers: its stock phrases, its list
+and code formatting. Retrieval-based drafting (REST, He et al. 2024) proposes those from a datastore of text; here
+the datastore is the verifier's own answers (the shipped ``sharegpt-smollm2`` file by default), so its
+continuations are the verifier's habits rather than another model's. No training and no model forward: a dict
+lookup per round.
+
+For each n from ``max_ngram`` down to ``min_ngram``, every n tokens of the answers map to the continuation of up to
+``length`` tokens that most often followed them (the earliest seen on a tie, so the table is deterministic); a
+query takes the longest n whose last n tokens are a key.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+
+from fledge.core.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+SHIPPED = "shipped"
+"""``hybrid_datastore=shipped``: the default verifier's answers that ship with fledge
+(``data.source=sharegpt-smollm2``)."""
+
+
+class NgramDatastore:
+    """n-gram -> the continuation that most often followed it, over a corpus of token sequences."""
+
+    def __init__(self, sequences: Iterable[Sequence[int]], max_ngram: int = 4, min_ngram: int = 2,
+                 length: int = 8):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ConfigError(f"datastore: need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        if length < 1:
+            raise ConfigError(f"datastore: continuation length must be >= 1, got {length}")
+        self.max_ngram, self.min_ngram, self.length = max_ngram, min_ngram, length
+        start = time.perf_counter()
+        counts: dict[int, defaultdict[tuple[int, ...], Counter]] = {n: defaultdict(Counter)
+                                                                   for n in range(min_ngram, max_ngram + 1)}
+        self.tokens = 0
+        for sequence in sequences:
+            seq = tuple(int(t) for t in sequence)
+            self.tokens += len(seq)
+            for i in range(min_ngram, len(seq)):
+                follow = seq[i: i + length]
+                for n in range(min_ngram, min(max_ngram, i) + 1):
+                    counts[n][seq[i - n: i]][follow] += 1
+        # Counter.most_common keeps first-seen order among equal counts: the earliest continuation wins a tie.
+        self.table: dict[int, dict[tuple[int, ...], tuple[int, ...]]] = {
+            n: {key: c.most_common(1)[0][0] for key, c in by_key.items()} for n, by_key in counts.items()
+        }
+        self.seconds = time.perf_counter() - start
+        self.hits = 0
+        """Continuations handed out (by every drafter that shares this datastore)."""
+
+    def __len__(self) -> int:
+        return sum(len(t) for t in self.table.values())
+
+    def continuation(self, context: Sequence[int], n: int) -> list[int]:
+        """Up to ``n`` tokens that most often followed the longest n-gram ending ``context`` (empty if none)."""
+        for size in range(min(self.max_ngram, len(context)), self.min_ngram - 1, -1):
+            found = self.table[size].get(tuple(int(t) for t in context[-size:]))
+            if found:
+                self.hits += 1
+                return list(found[:n])
+        return []
+
+
+def answer_token_ids(conversations: Iterable[list[dict]], tokenizer) -> list[list[int]]:
+    """The assistant turns of ``conversations``, each tokenized on its own (no special tokens)."""
+    return [tokenizer(m["content"], add_special_tokens=False)["input_ids"]
+            for conv in conversations for m in conv if m["role"] == "assistant" and m["content"]]
+
+
+def load_datastore(source: str, tokenizer, max_ngram: int = 4, min_ngram: int = 2, length: int = 8,
+                   fingerprint: str | None = None) -> NgramDatastore:
+    """The datastore of a data source's assistant turns (``shipped``, or any ``data.source``: a name or a .jsonl
+    path). For the shipped answers, a warning when they are another verifier's (``fingerprint``: this one's)."""
+    from fledge.data.sources import SHIPPED_SOURCE, DataConfig, load_conversations
+
+    name = SHIPPED_SOURCE if source == SHIPPED else source
+    if name == SHIPPED_SOURCE and fingerprint is not None:
+        from fledge.data.shipped import warn_if_other_verifier
+
+        warn_if_other_verifier(fingerprint)
+    conversations, _ = load_conversations(DataConfig(source=name))
+    store = NgramDatastore(answer_token_ids(conversations, tokenizer), max_ngram, min_ngram, length)
+    if not len(store):
+        raise ConfigError(f"datastore {source!r}: its answers hold no {min_ngram}-gram",
+                          fix="give a source with assistant turns, or hybrid_datastore=null")
+    log.info("datastore %s: %d answers' tokens (%s), %s n-grams (n = %d..%d) in %.1f s", source, len(conversations),
+             f"{store.tokens:,}", f"{len(store):,}", min_ngram, max_ngram, store.seconds)
+    return store

@@ -1,0 +1,101 @@
+"""The n-gram datastore of the verifier's own answers: the table, the lookup's fallback to it, the shipped answers
+as a datastore, and ``fledge eval hybrid_datastore=...`` end to end (exact, and used)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fledge.core.errors import ConfigError
+from fledge.eval.datastore import NgramDatastore, answer_token_ids, load_datastore
+from fledge.eval.drafters import PromptLookupDrafter
+from fledge.models.sampling import SamplingParams
+
+
+def test_the_table_keeps_the_most_frequent_continuation_of_the_longest_ngram():
+    store = NgramDatastore([[1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [9, 2, 3, 7, 7], [9, 2, 3, 7, 8]], max_ngram=3,
+                           min_ngram=2, length=2)
+    # "2 3" was followed by "4 5", "4 6", "7 7", "7 8": the first seen of the equally frequent wins
+    assert store.continuation([0, 2, 3], 4) == [4, 5]
+    # "9 2 3" (3 tokens) beats "2 3": its own continuation
+    assert store.continuation([9, 2, 3], 4) == [7, 7]
+    assert store.continuation([9, 2, 3], 1) == [7]  # cut to n
+    assert store.continuation([5, 5], 4) == [] and store.continuation([3], 4) == []  # unseen; shorter than min_ngram
+    frequent = NgramDatastore([[1, 2, 8], [1, 2, 9], [3, 1, 2, 9]], max_ngram=2, min_ngram=2, length=1)
+    assert frequent.continuation([1, 2], 3) == [9]  # seen twice against once
+    assert store.hits == 3 and frequent.hits == 1  # continuations handed out
+    assert len(store) == len(store.table[2]) + len(store.table[3]) and store.tokens == 20
+    with pytest.raises(ConfigError, match="min_ngram"):
+        NgramDatastore([[1, 2]], max_ngram=1, min_ngram=2)
+    with pytest.raises(ConfigError, match="length"):
+        NgramDatastore([[1, 2]], length=0)
+
+
+def test_the_lookup_falls_back_to_the_datastore_only_where_the_context_has_nothing():
+    store = NgramDatastore([[40, 41, 42, 43, 44]], max_ngram=3, min_ngram=2)
+    lookup = PromptLookupDrafter(max_ngram=3, min_ngram=2, datastore=store)
+    lookup.start(torch.tensor([5, 6, 7, 5, 6]), None)  # "5 6" occurred before: the context's continuation
+    assert lookup.propose_chain(3, SamplingParams(), None).tokens.tolist() == [7, 5, 6]
+    lookup.advance(torch.tensor([8, 40, 41]), None)  # "40 41" never occurred in the context: the datastore's
+    assert lookup.propose_chain(2, SamplingParams(), None).tokens.tolist() == [42, 43]
+    assert lookup.continuation([], 9).tolist() == [42, 43, 44]
+    assert lookup.continuation([42], 9).tolist() == [43, 44]  # read as if the draft's 42 were committed
+    other = lookup.fresh()
+    assert other.datastore is store and other._length == 0
+    plain = PromptLookupDrafter(max_ngram=3, min_ngram=2)
+    plain.start(torch.tensor([5, 6, 7, 8, 40, 41]), None)
+    assert plain.propose_chain(2, SamplingParams(), None).tokens.numel() == 0
+
+
+def test_the_shipped_answers_make_a_datastore_of_the_verifiers_habits(smollm_tokenizer, caplog):
+    store = load_datastore("shipped", smollm_tokenizer, fingerprint="not-the-default-verifier")
+    assert "not of this verifier" in caplog.text  # another verifier's answers: said, not refused
+    assert store.tokens > 100_000 and len(store) > 50_000
+    # A stock opening of the default verifier's answers
+    ids = smollm_tokenizer("Here are some", add_special_tokens=False)["input_ids"]
+    assert store.continuation(ids, 4)
+    convs = [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}],
+             [{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}]]
+    assert answer_token_ids(convs, smollm_tokenizer) == [smollm_tokenizer("hello there",
+                                                                          add_special_tokens=False)["input_ids"]]
+
+
+def test_eval_with_a_datastore_of_the_verifiers_answers(tiny_verifier_dir, tmp_path):
+    """``hybrid_datastore=<file>`` and ``datastore_alone=true``: on prompts the verifier answered before, the
+    datastore holds its answers, so the lookup with it accepts more than prompt lookup; every row stays exact."""
+    from fledge.eval.runner import encode_prompt
+    from fledge.eval.verifier_state import generate_plain
+    from fledge.launch.cli import run_stage
+
+    from conftest import write_random_draft_run
+
+    verifier, _ = write_random_draft_run(tmp_path / "run", tiny_verifier_dir, seed=0)
+    texts = ["Tell me about the sea.", "Write a list of three fruits."]
+    answers = []
+    for text in texts:
+        out = generate_plain(verifier.model, encode_prompt(verifier.tokenizer, {"turns": [text]}),
+                             max_new_tokens=24).tokens
+        answers.append(verifier.tokenizer.decode(out, skip_special_tokens=True))
+    store_file = tmp_path / "answers.jsonl"
+    store_file.write_text("".join(json.dumps({"messages": [{"role": "user", "content": t},
+                                                            {"role": "assistant", "content": a}]}) + "\n"
+                                  for t, a in zip(texts, answers)))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in texts))
+    common = [f"draft={tmp_path / 'run'}", f"verifier.name_or_path={tiny_verifier_dir}", "verifier.dtype=float32",
+              f"prompts=[{prompts}]", "eval.max_new_tokens=24", "eval.warmup_tokens=0", "eval.hf_baseline=false",
+              "eval.round_floor=false", "wandb_mode=disabled", "eval.method=tree", "eval.tree_depth=1",
+              "eval.tree_top_k=2", "eval.tree_total_tokens=2", "eval.num_draft_tokens=4"]
+    report = run_stage("eval", [*common, f"hybrid_datastore={store_file}", "datastore_alone=true",
+                                f"eval.out_dir={tmp_path / 'eval'}"])
+    rows = report["sets"]["prompts"]["drafters"]
+    assert {"eagle3", "eagle3+lookup", "prompt_lookup", "lookup+datastore"} <= set(rows)
+    assert all(d["greedy_match_rate"] == 1.0 for d in rows.values())
+    assert report["datastore"]["continuations"] > 0 and report["datastore"]["tokens"] > 0
+    assert rows["lookup+datastore"]["tau"] > rows["prompt_lookup"]["tau"]
+    assert rows["eagle3+lookup"]["tau"] >= rows["eagle3"]["tau"]
+    assert json.loads((tmp_path / "eval" / "report.json").read_text())["datastore"]["source"] == str(store_file)
+    with pytest.raises(ConfigError, match="needs a datastore"):
+        run_stage("eval", [*common, "datastore_alone=true"])
