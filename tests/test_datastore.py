@@ -14,23 +14,22 @@ from fledge.eval.drafters import PromptLookupDrafter
 from fledge.models.sampling import SamplingParams
 
 
-def test_the_table_keeps_the_most_frequent_continuation_of_the_longest_ngram():
+def test_the_table_decodes_the_most_frequent_next_token_of_the_longest_ngram():
     store = NgramDatastore([[1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [9, 2, 3, 7, 7], [9, 2, 3, 7, 8]], max_ngram=3,
-                           min_ngram=2, length=2)
-    # "2 3" was followed by "4 5", "4 6", "7 7", "7 8": the first seen of the equally frequent wins
+                           min_ngram=2)
+    # "2 3" was followed by 4 twice and 7 twice: the first seen wins; then "2 3 4" -> 5 (first seen), then nothing
     assert store.continuation([0, 2, 3], 4) == [4, 5]
-    # "9 2 3" (3 tokens) beats "2 3": its own continuation
+    # "9 2 3" (3 tokens) beats "2 3": 7; then "2 3 7" -> 7, then "3 7 7" and "7 7" never continued
     assert store.continuation([9, 2, 3], 4) == [7, 7]
     assert store.continuation([9, 2, 3], 1) == [7]  # cut to n
     assert store.continuation([5, 5], 4) == [] and store.continuation([3], 4) == []  # unseen; shorter than min_ngram
-    frequent = NgramDatastore([[1, 2, 8], [1, 2, 9], [3, 1, 2, 9]], max_ngram=2, min_ngram=2, length=1)
+    assert store.next_token([1, 2, 3, 4]) == 5 and store.next_token([8, 8]) is None
+    frequent = NgramDatastore([[1, 2, 8], [1, 2, 9], [3, 1, 2, 9]], max_ngram=2, min_ngram=2)
     assert frequent.continuation([1, 2], 3) == [9]  # seen twice against once
     assert store.hits == 3 and frequent.hits == 1  # continuations handed out
     assert len(store) == len(store.table[2]) + len(store.table[3]) and store.tokens == 20
     with pytest.raises(ConfigError, match="min_ngram"):
         NgramDatastore([[1, 2]], max_ngram=1, min_ngram=2)
-    with pytest.raises(ConfigError, match="length"):
-        NgramDatastore([[1, 2]], length=0)
 
 
 def test_the_lookup_falls_back_to_the_datastore_only_where_the_context_has_nothing():
