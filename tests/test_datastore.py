@@ -98,3 +98,19 @@ def test_eval_with_a_datastore_of_the_verifiers_answers(tiny_verifier_dir, tmp_p
     assert json.loads((tmp_path / "eval" / "report.json").read_text())["datastore"]["source"] == str(store_file)
     with pytest.raises(ConfigError, match="needs a datastore"):
         run_stage("eval", [*common, "datastore_alone=true"])
+
+
+def test_lookup_rounds_over_known_answers_measure_what_the_datastore_adds(capsys):
+    from fledge.eval.datastore import main, simulate_lookup
+
+    answers = [[10, 11, 12, 13, 14, 15], [20, 10, 11, 12, 13, 14]]
+    prompts = [[1, 2], [3, 4]]
+    alone = simulate_lookup(list(zip(prompts, answers)), PromptLookupDrafter(max_ngram=3, min_ngram=2), 5)
+    assert alone == {"tau": 1.0, "proposed_per_round": 0.0, "rounds": 12}  # nothing repeats within an answer
+    store = NgramDatastore([[10, 11, 12, 13, 14, 15]], max_ngram=2, min_ngram=2)
+    helped = simulate_lookup([(prompts[1], answers[1])], PromptLookupDrafter(max_ngram=3, min_ngram=2,
+                                                                             datastore=store), 5)
+    # rounds: 20 | 10 | 11 (nothing ends in a known 2-gram yet) | then "10 11" -> 12 13 14 15: 3 accepted + 14
+    assert helped["rounds"] == 4 and helped["tau"] == 6 / 4
+    with pytest.raises(ConfigError, match="--holdout"):
+        main(["--holdout", "0"])
