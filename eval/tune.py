@@ -20,6 +20,16 @@ that path accept less, so it errs high for wide trees, and the follow-up measure
 top-k measurements it falls back to E_chain(d), the acceptance of the greedy path the tree contains. c_tree is the
 measured time of a whole tree proposal divided by its d expansion steps. Plain decoding is always a candidate at
 exactly 1.0x.
+
+The hybrid (the draft with prompt lookup, ``HybridDrafter``) is predicted round by round rather than from rates,
+because its two proposers are not independent (text the context repeats is also text the draft finds easy). For each
+round of the same chain run: the draft's accepted path from its ranks (``draft_path_accepted``), and the lookup's
+proposal at that round's start with the prefix of it that the decode's output confirms (``measured_rounds``):
+
+    hybrid tree:  E = 1 + mean over rounds of max(draft path, lookup prefix),
+                  cost mean v(T + 1 + branch) + o + d·c_tree
+    hybrid chain: E = 1 + mean of (lookup prefix where lookup proposes, else the draft chain's path),
+                  cost mean of v(k + 1), plus N·c in the rounds the draft proposes
 """
 
 from __future__ import annotations
@@ -75,6 +85,10 @@ class Candidate:
     num_draft_tokens: int = 0
     """N for chains; the depth for trees."""
     tree: TreeShape | None = None
+    hybrid: bool = False
+    """The draft with prompt lookup (``HybridDrafter``): the lookup's proposal as a tree branch or as the chain."""
+    branch: int = 0
+    """The hybrid's longest lookup proposal (``eval.num_draft_tokens`` when it runs)."""
 
     @property
     def predicted_speedup(self) -> float:
@@ -153,6 +167,89 @@ def candidates(
     return out
 
 
+@dataclass(frozen=True)
+class MeasuredRound:
+    """One round of the greedy chain measurement, as the hybrid's model reads it."""
+
+    ranks: tuple[int, ...]
+    """Per depth the round reached, the rank of the verifier's token among the draft's top-k (k: absent); the
+    chain goes on past a depth only where that rank is 0."""
+    lookup: tuple[int, ...]
+    """What the hybrid's lookup would propose at the round's start (the context's continuation, or the
+    datastore's), up to the longest branch a candidate uses."""
+    lookup_accepted: int
+    """How many of ``lookup`` the verifier's own continuation (the decode's greedy output) confirms."""
+
+
+def measured_rounds(ranks: Sequence[int], accepted: Sequence[int], proposed: Sequence[int],
+                    lookups: Sequence[Sequence[int]], continuation: Sequence[int], starts: Sequence[int]
+                    ) -> list[MeasuredRound]:
+    """The rounds of one greedy chain decode: ``ranks`` the flat list it recorded (``DecodeResult.topk_ranks``'
+    ranks: min(accepted + 1, proposed) per round), ``lookups[i]`` the lookup's proposal at round i's start
+    ``starts[i]`` in ``continuation`` (the decode's output)."""
+    out, at = [], 0
+    for a, n, found, start in zip(accepted, proposed, lookups, starts):
+        reached = min(a + 1, n)
+        taken = 0
+        while taken < len(found) and start + taken < len(continuation) and found[taken] == continuation[start + taken]:
+            taken += 1
+        out.append(MeasuredRound(tuple(ranks[at: at + reached]), tuple(found), taken))
+        at += reached
+    return out
+
+
+def draft_path_accepted(ranks: Sequence[int], depth: int, width: int) -> int:
+    """Draft tokens a tree of this depth and width accepts in a round, read off the chain's ranks: each depth whose
+    verifier token is among the ``width`` best counts, and the path goes deeper only where the chain itself went
+    on (rank 0), the one path the measurement saw; deeper nodes off it are not credited (errs low)."""
+    taken = 0
+    for rank in ranks[:depth]:
+        if rank >= width:
+            break
+        taken += 1
+        if rank > 0:
+            break
+    return taken
+
+
+def hybrid_tree_candidate(rounds: Sequence[MeasuredRound], shape: TreeShape, branch: int, cost: CostModel,
+                          tree_draft_step: float) -> Candidate:
+    """The hybrid as a tree: the draft's tree of ``shape`` with the lookup's proposal (up to ``branch`` tokens) as
+    one more branch from the root. Per measured round, it accepts the longer of the draft's path and the lookup's
+    confirmed prefix; it verifies the tree's T tokens plus the branch's (counted in full: a branch that shares its
+    first token with a draft child costs one less). E and the verification cost are means over the rounds, so the
+    rounds where lookup finds nothing and those where it finds a long match keep their own costs."""
+    w = tree_width(shape)
+    gained = verify = 0.0
+    for r in rounds:
+        extra = min(len(r.lookup), branch)
+        gained += max(draft_path_accepted(r.ranks, shape.depth, w), min(r.lookup_accepted, branch))
+        verify += cost.verify(shape.total_tokens + extra + 1)
+    n = max(len(rounds), 1)
+    round_cost = verify / n + cost.round_overhead + shape.depth * tree_draft_step
+    return Candidate(name=f"hybrid tree d={shape.depth} k={shape.top_k} T={shape.total_tokens}", method="tree",
+                     expected_tokens=1.0 + gained / n, round_cost=round_cost, num_draft_tokens=shape.depth,
+                     tree=shape, hybrid=True, branch=branch)
+
+
+def hybrid_chain_candidate(rounds: Sequence[MeasuredRound], num_draft: int, cost: CostModel) -> Candidate:
+    """The hybrid as a chain of N: the lookup's proposal (up to N) where it has one, else the draft's chain of N,
+    which is accepted as far as the chain's ranks stay 0."""
+    gained = paid = 0.0
+    for r in rounds:
+        if r.lookup:
+            k = min(len(r.lookup), num_draft)
+            gained += min(r.lookup_accepted, k)
+            paid += cost.verify(k + 1)
+        else:
+            gained += draft_path_accepted(r.ranks, num_draft, 1)
+            paid += cost.verify(num_draft + 1) + num_draft * cost.draft_step
+    n = max(len(rounds), 1)
+    return Candidate(name=f"hybrid chain N={num_draft}", method="chain", expected_tokens=1.0 + gained / n,
+                     round_cost=paid / n + cost.round_overhead, num_draft_tokens=num_draft, hybrid=True,
+                     branch=num_draft)
+
+
 def recommend(options: Sequence[Candidate]) -> Candidate:
     """The highest predicted speed-up; on a tie the earlier (simpler) candidate, so plain wins a draw."""
     if not options:
@@ -170,10 +267,10 @@ def overhead_from_run(measured_verify_cost: float, num_draft: int, cost: CostMod
 
 
 def format_table(options: Sequence[Candidate], chosen: Candidate | None = None) -> list[str]:
-    rows = [f"{'shape':<22} {'E tokens/round':>14} {'round cost':>11} {'predicted':>10}"]
+    rows = [f"{'shape':<29} {'E tokens/round':>14} {'round cost':>11} {'predicted':>10}"]
     for o in options:
         mark = "  <- recommended" if chosen is not None and o == chosen else ""
-        rows.append(f"{o.name:<22} {o.expected_tokens:>14.3f} {o.round_cost:>11.3f} {o.predicted_speedup:>9.3f}x{mark}")
+        rows.append(f"{o.name:<29} {o.expected_tokens:>14.3f} {o.round_cost:>11.3f} {o.predicted_speedup:>9.3f}x{mark}")
     return rows
 
 
@@ -252,7 +349,8 @@ def measure_tree_draft_seconds(
 
 
 __all__ = [
-    "PLAIN", "Candidate", "CostModel", "candidates", "chain_candidate", "expected_tokens", "format_table",
+    "PLAIN", "Candidate", "CostModel", "MeasuredRound", "candidates", "chain_candidate", "draft_path_accepted",
+    "expected_tokens", "format_table", "hybrid_chain_candidate", "hybrid_tree_candidate", "measured_rounds",
     "measure_tree_draft_seconds", "measure_verify_cost", "overhead_from_run", "recommend", "relative_costs",
     "tree_candidate", "tree_expected_tokens", "tree_width",
 ]

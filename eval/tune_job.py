@@ -18,16 +18,22 @@ import torch
 
 from fledge.core.errors import ConfigError
 from fledge.data.sources import load_prompts
+from fledge.eval.datastore import load_datastore
+from fledge.eval.drafters import EagleDrafter, HybridDrafter, PromptLookupDrafter
 from fledge.eval.proposals import TreeShape
 from fledge.eval.runner import EvalConfig, encode_prompt, evaluate, load_eagle_drafter
 from fledge.eval.tune import (
     PLAIN,
     Candidate,
     CostModel,
+    MeasuredRound,
     candidates,
     format_table,
+    hybrid_chain_candidate,
+    hybrid_tree_candidate,
     measure_tree_draft_seconds,
     measure_verify_cost,
+    measured_rounds,
     overhead_from_run,
     recommend,
     tree_width,
@@ -71,6 +77,15 @@ class TuneJobConfig:
     run's cost is a mean over whatever else the machine was doing, which v(k)'s minimum filters out, so on a shared
     CPU o soaks up other processes' load (measured here once: o = 5.8 steps predicted 0.13x for a chain that then
     ran at 0.59x). On a quiet machine it adds the loop's bookkeeping beyond the bare forward."""
+    hybrid: bool = True
+    """Also predict the draft with prompt lookup (``eagle3+lookup`` in ``fledge eval``): its trees carry the lookup's
+    continuation as a branch of up to ``lookup_tokens``, its chains take the continuation where there is one."""
+    hybrid_min_ngram: int = 2
+    prompt_lookup_max_ngram: int = 3
+    hybrid_datastore: str | None = None
+    """As in ``fledge eval``: the lookup's fallback to the verifier's own answers (``shipped``), or None."""
+    lookup_tokens: int = 5
+    """The longest lookup branch of a hybrid tree (``eval.num_draft_tokens`` in ``fledge eval``)."""
     measure_plain: bool = True
     """When plain decoding is recommended, still measure the best speculative shape so its prediction is checked."""
     out_dir: str | None = "runs/tune"
@@ -96,9 +111,33 @@ def _eval_config(cfg: TuneJobConfig, out: str | None, **shape: Any) -> EvalConfi
 def _shape_kwargs(choice: Candidate) -> dict[str, Any]:
     if choice.method == "tree":
         assert choice.tree is not None
+        branch = dict(num_draft_tokens=choice.branch) if choice.hybrid else {}
         return dict(method="tree", tree_depth=choice.tree.depth, tree_top_k=choice.tree.top_k,
-                    tree_total_tokens=choice.tree.total_tokens)
+                    tree_total_tokens=choice.tree.total_tokens, **branch)
     return dict(method="chain", num_draft_tokens=choice.num_draft_tokens)
+
+
+def _hybrid_lookup(cfg: TuneJobConfig, store: Any) -> PromptLookupDrafter:
+    return PromptLookupDrafter(max_ngram=max(cfg.prompt_lookup_max_ngram, cfg.hybrid_min_ngram),
+                               min_ngram=cfg.hybrid_min_ngram, datastore=store)
+
+
+def hybrid_rounds(records: list[dict[str, Any]], prompt_ids: list[torch.Tensor], lookup: PromptLookupDrafter,
+                  branch: int) -> list[MeasuredRound]:
+    """The chain measurement's rounds with what the hybrid's lookup would have proposed at each round's start: the
+    lookup reads the prompt, then each round's committed tokens, as it would in the loop."""
+    rounds: list[MeasuredRound] = []
+    for record, ids in zip(records, prompt_ids):
+        tokens, accepted = record["tokens"], record["accepted"]
+        lookup.start(ids, None)
+        starts, found, at = [], [], 0
+        for a in accepted:
+            starts.append(at)
+            found.append(lookup.continuation([], branch).tolist())
+            lookup.advance(torch.tensor(tokens[at: at + a + 1], dtype=torch.long), None)
+            at += a + 1
+        rounds += measured_rounds(record["ranks"], accepted, record["proposed"], found, tokens, starts)
+    return rounds
 
 
 def _topk_lines(topk: list | None, shapes: list[TreeShape]) -> list[str]:
@@ -113,8 +152,9 @@ def _topk_lines(topk: list | None, shapes: list[TreeShape]) -> list[str]:
 
 
 def _candidate_json(c: Candidate) -> dict[str, Any]:
-    return {"name": c.name, "method": c.method, "num_draft_tokens": c.num_draft_tokens,
-            "tree": dataclasses.asdict(c.tree) if c.tree else None, "expected_tokens": c.expected_tokens,
+    return {"name": c.name, "method": c.method, "num_draft_tokens": c.num_draft_tokens, "hybrid": c.hybrid,
+            "branch": c.branch, "tree": dataclasses.asdict(c.tree) if c.tree else None,
+            "expected_tokens": c.expected_tokens,
             "round_cost": c.round_cost, "predicted_speedup": c.predicted_speedup}
 
 
@@ -156,6 +196,17 @@ def run(cfg: TuneJobConfig) -> dict[str, Any]:
         trees.append((shape, seconds / shape.depth / step_seconds if step_seconds else 0.0))
 
     options = candidates(entry["n_alpha"], cost, cfg.n_max, trees, topk)
+    lookup = None
+    if cfg.hybrid and entry.get("topk_rounds"):
+        store = (load_datastore(cfg.hybrid_datastore, verifier.tokenizer, fingerprint=verifier.fingerprint)
+                 if cfg.hybrid_datastore is not None else None)
+        lookup = _hybrid_lookup(cfg, store)
+        branch = max([cfg.lookup_tokens, cfg.n_max] + [s.depth for s in shapes])
+        rounds = hybrid_rounds(entry["topk_rounds"], [encode_prompt(verifier.tokenizer, p) for p in prompts],
+                               lookup, branch)
+        options += [hybrid_chain_candidate(rounds, n, cost) for n in range(1, cfg.n_max + 1)]
+        options += [hybrid_tree_candidate(rounds, shape, max(shape.depth, cfg.lookup_tokens), cost, c_tree)
+                    for shape, c_tree in trees]
     choice = recommend(options)
     alphas = " ".join("-" if a is None else f"{a:.2f}" for a in entry["n_alpha"])
     lines = [
@@ -178,8 +229,10 @@ def run(cfg: TuneJobConfig) -> dict[str, Any]:
     verification: dict[str, Any] | None = None
     if check is not PLAIN:
         check_cfg = _eval_config(cfg, str(out / "check") if out else None, **_shape_kwargs(check))
-        checked = evaluate(verifier, {"tune": prompts}, {"eagle3": drafter}, check_cfg)["sets"]["tune"]
-        d = checked["drafters"]["eagle3"]
+        name = "eagle3+lookup" if check.hybrid else "eagle3"
+        checker = HybridDrafter(EagleDrafter(drafter.draft), lookup.fresh()) if check.hybrid else drafter
+        checked = evaluate(verifier, {"tune": prompts}, {name: checker}, check_cfg)["sets"]["tune"]
+        d = checked["drafters"][name]
         verification = {"shape": check.name, "predicted_speedup": check.predicted_speedup,
                         "measured_speedup": d["speedup"], "tau": d["tau"],
                         "predicted_tokens_per_round": check.expected_tokens,
@@ -189,6 +242,7 @@ def run(cfg: TuneJobConfig) -> dict[str, Any]:
         print(f"[tune] {check.name}: predicted {check.predicted_speedup:.2f}x, measured {d['speedup']:.2f}x; "
               f"tokens/round predicted {check.expected_tokens:.2f}, measured τ {d['tau']:.2f}; round cost predicted "
               f"{check.round_cost:.2f}, measured {verification['measured_round_cost']:.2f} steps", flush=True)
+    entry.pop("topk_rounds", None)  # in measure/report.json already
     result = {
         "config": dataclasses.asdict(cfg),
         "dtype": dtype,

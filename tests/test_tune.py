@@ -11,10 +11,15 @@ from fledge.eval.proposals import TreeShape
 from fledge.eval.tune import (
     PLAIN,
     CostModel,
+    MeasuredRound,
     candidates,
     chain_candidate,
+    draft_path_accepted,
     expected_tokens,
+    hybrid_chain_candidate,
+    hybrid_tree_candidate,
     measure_verify_cost,
+    measured_rounds,
     overhead_from_run,
     recommend,
     relative_costs,
@@ -121,7 +126,8 @@ def test_tune_command_end_to_end(tiny_verifier_dir, tmp_path, capsys):
     saved = json.loads((tmp_path / "tune" / "tune.json").read_text())
     assert saved["recommended"] == result["recommended"]
     names = [c["name"] for c in saved["candidates"]]
-    assert names == ["plain", "chain N=1", "chain N=2", "chain N=3", "tree d=2 k=2 T=3"]
+    assert names == ["plain", "chain N=1", "chain N=2", "chain N=3", "tree d=2 k=2 T=3", "hybrid chain N=1",
+                     "hybrid chain N=2", "hybrid chain N=3", "hybrid tree d=2 k=2 T=3"]
     best = max(c["predicted_speedup"] for c in saved["candidates"])
     assert saved["recommended"]["predicted_speedup"] == best
     assert len(saved["measurement"]["n_alpha"]) == 3
@@ -164,3 +170,64 @@ def test_tree_acceptance_from_per_depth_top_k():
     assert tree_expected_tokens(topk, TreeShape(depth=1, top_k=8, total_tokens=8)) == pytest.approx(1.8)
     with_topk = tree_candidate(N_ALPHA, wide, CPU_LIKE, tree_draft_step=0.3, topk=topk)
     assert with_topk.expected_tokens == pytest.approx(2.28) and with_topk.round_cost == pytest.approx(2.3 + 0.2 + 0.6)
+
+
+def test_the_hybrids_model_round_by_round_by_hand():
+    # A chain run's flat ranks: round 0 reached depths 1-2 (accepted 1), round 1 depth 1 (rank 2: rejected),
+    # round 2 proposed nothing.
+    rounds = measured_rounds([0, 1, 2], accepted=[1, 0, 0], proposed=[3, 3, 0],
+                             lookups=[[5, 6, 9], [], [8]], continuation=[5, 6, 7, 1, 8], starts=[0, 2, 4])
+    assert rounds == [MeasuredRound((0, 1), (5, 6, 9), 2), MeasuredRound((2,), (), 0), MeasuredRound((), (8,), 1)]
+    # The draft's path: depth by depth while the verifier's token is among the width best, deeper only after rank 0.
+    assert [draft_path_accepted(r, 2, 1) for r in [(0, 1), (2,), ()]] == [1, 0, 0]
+    assert [draft_path_accepted(r, 2, 2) for r in [(0, 1), (2,), ()]] == [2, 0, 0]
+    assert draft_path_accepted((0, 1), 1, 4) == 1 and draft_path_accepted((1, 0), 2, 4) == 1
+    cost = CostModel(verify_steps={1: 1.0, 4: 1.3, 6: 1.5}, draft_step=0.1)
+    # Tree d=1, top 2, T=2 with a lookup branch of up to 3: rounds take max(draft, lookup) = 2, 0, 1.
+    tree = hybrid_tree_candidate(rounds, TreeShape(1, 2, 2), 3, cost, tree_draft_step=0.05)
+    assert tree.expected_tokens == pytest.approx(1 + 3 / 3) and tree.hybrid and tree.branch == 3
+    # verified tokens per round: T + branch + 1 = 6, 3, 4
+    assert tree.round_cost == pytest.approx((1.5 + cost.verify(3) + 1.3) / 3 + 0.05)
+    # Chain N=2: lookup where it proposes (cut to 2: 2 confirmed; 1), else the draft's chain (round 1: 0 accepted).
+    chain = hybrid_chain_candidate(rounds, 2, cost)
+    assert chain.expected_tokens == pytest.approx(1 + (2 + 0 + 1) / 3)
+    assert chain.round_cost == pytest.approx((cost.verify(3) + cost.verify(3) + 2 * 0.1 + cost.verify(2)) / 3)
+
+
+def test_hybrid_rounds_replay_the_lookup_over_the_chain_runs_commits():
+    from fledge.eval.drafters import PromptLookupDrafter
+    from fledge.eval.tune_job import hybrid_rounds
+
+    # Prompt "1 2 3 1"; the decode wrote 2 3 4 1 2 in rounds committing 2 tokens (2 3), then 1 (4), then 2 (1 2).
+    record = {"tokens": [2, 3, 4, 1, 2], "accepted": [1, 0, 1], "proposed": [2, 2, 2], "ranks": [0, 1, 3, 0, 0]}
+    rounds = hybrid_rounds([record], [torch.tensor([1, 2, 3, 1])], PromptLookupDrafter(max_ngram=2, min_ngram=1), 3)
+    # round 0 at "...3 1": "1" occurred before, followed by 2 3 1 -> 2 3 confirmed; round 1 at "...2 3": "2 3"
+    # occurred, followed by 1 2 3 -> 0 confirmed (the output has 4); round 2 at "...3 4": "4" is new -> nothing.
+    assert [r.lookup for r in rounds] == [(2, 3, 1), (1, 2, 3), ()]
+    assert [r.lookup_accepted for r in rounds] == [2, 0, 0]
+    assert [r.ranks for r in rounds] == [(0, 1), (3,), (0, 0)]
+
+
+def test_tune_measures_a_hybrid_recommendation(tiny_verifier_dir, tmp_path, monkeypatch):
+    """When a hybrid shape is recommended, the check runs the hybrid (``eagle3+lookup``) with that tree and its
+    lookup branch, losslessly."""
+    from fledge.eval import tune_job
+    from fledge.launch.cli import run_stage
+
+    write_random_draft_run(tmp_path / "run", tiny_verifier_dir, seed=1)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": 0, "turns": ["a b c a b c a b c a b"]}) + "\n")
+    monkeypatch.setattr(tune_job, "recommend", lambda options: next(o for o in options if o.hybrid and o.tree))
+    result = run_stage("tune", [
+        f"draft={tmp_path / 'run'}", f"verifier.name_or_path={tiny_verifier_dir}", "verifier.dtype=float32",
+        f"prompts=[{prompts}]", "max_prompts=1", "max_new_tokens=8", "n_max=2", "verify_repeats=1",
+        "warmup_tokens=0", "tree_shapes=[{depth: 1, top_k: 2, total_tokens: 2}]", "lookup_tokens=4",
+        f"out_dir={tmp_path / 'tune'}",
+    ])
+    assert result["recommended"]["name"] == "hybrid tree d=1 k=2 T=2" and result["recommended"]["branch"] == 4
+    check = result["verification"]
+    assert check["shape"] == "hybrid tree d=1 k=2 T=2" and check["greedy_match_rate"] == 1.0
+    report = json.loads((tmp_path / "tune" / "check" / "report.json").read_text())
+    assert set(report["sets"]["tune"]["drafters"]) == {"eagle3+lookup"}
+    assert report["config"]["num_draft_tokens"] == 4 and report["config"]["tree_top_k"] == 2
+    assert "topk_rounds" not in result["measurement"]
