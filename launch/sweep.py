@@ -183,23 +183,19 @@ def table_markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def plot_tau(rows: list[dict[str, Any]], path: Path) -> Path | None:
-    """τ against training minutes, one point per (job, drafter), labelled with the job's overrides."""
-    points = [r for r in rows if r.get("tau") is not None and r.get("minutes") is not None]
-    if not points:
-        return None
+def _tau_axes(size: tuple[float, float]) -> tuple[Any, Any]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for drafter in sorted({r["drafter"] for r in points}):
-        mine = [r for r in points if r["drafter"] == drafter]
-        ax.scatter([r["minutes"] for r in mine], [r["tau"] for r in mine], label=drafter)
-        for r in mine:
-            ax.annotate(r["overrides"] or "(defaults)", (r["minutes"], r["tau"]), fontsize=7,
-                        xytext=(3, 3), textcoords="offset points")
+    return plt.subplots(figsize=size)
+
+
+def _save_tau_figure(fig: Any, ax: Any, path: Path) -> Path:
+    """τ against training minutes: label the axes, save the PNG, close the figure."""
+    import matplotlib.pyplot as plt
+
     ax.set_xlabel("training minutes")
     ax.set_ylabel("acceptance length τ")
     ax.grid(alpha=0.3)
@@ -210,6 +206,21 @@ def plot_tau(rows: list[dict[str, Any]], path: Path) -> Path | None:
     return path
 
 
+def plot_tau(rows: list[dict[str, Any]], path: Path) -> Path | None:
+    """τ against training minutes, one point per (job, drafter), labelled with the job's overrides."""
+    points = [r for r in rows if r.get("tau") is not None and r.get("minutes") is not None]
+    if not points:
+        return None
+    fig, ax = _tau_axes((7, 4.5))
+    for drafter in sorted({r["drafter"] for r in points}):
+        mine = [r for r in points if r["drafter"] == drafter]
+        ax.scatter([r["minutes"] for r in mine], [r["tau"] for r in mine], label=drafter)
+        for r in mine:
+            ax.annotate(r["overrides"] or "(defaults)", (r["minutes"], r["tau"]), fontsize=7,
+                        xytext=(3, 3), textcoords="offset points")
+    return _save_tau_figure(fig, ax, path)
+
+
 def table_main(argv: list[str]) -> int:
     """``fledge sweep table SWEEP_DIR``: print the table, write ``table.md`` and ``tau.png`` into the folder."""
     if len(argv) != 1 or argv[0].startswith("-"):
@@ -218,11 +229,14 @@ def table_main(argv: list[str]) -> int:
         return 2
     sweep_dir = Path(argv[0])
     rows = sweep_table(sweep_dir)
-    text = table_markdown(rows)
-    atomic_write_text(sweep_dir / "table.md", text + "\n")
+    return _write_table(table_markdown(rows), sweep_dir / "table.md", plot_tau(rows, sweep_dir / "tau.png"))
+
+
+def _write_table(text: str, path: Path, png: Path | None) -> int:
+    """Write and print a table, then say where it and its plot are."""
+    atomic_write_text(path, text + "\n")
     print(text)
-    print(f"\ntable: {sweep_dir / 'table.md'}")
-    png = plot_tau(rows, sweep_dir / "tau.png")
+    print(f"\ntable: {path}")
     if png is not None:
         print(f"plot:  {png}")
     return 0
@@ -326,12 +340,7 @@ def plot_budget(rows: list[dict[str, Any]], path: Path) -> Path | None:
     points = [r for r in rows if r.get("tau") is not None and r.get("minutes") is not None]
     if not points:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    fig, ax = _tau_axes((7.5, 4.5))
     markers = {}
     for set_name, drafter in sorted({(r["set"], r["drafter"]) for r in points}):
         mine = sorted((r for r in points if r["set"] == set_name and r["drafter"] == drafter),
@@ -347,14 +356,7 @@ def plot_budget(rows: list[dict[str, Any]], path: Path) -> Path | None:
         for r in mine:
             label = r["run"] if r.get("budget") is None else f"{r['budget']:.0f} min"
             ax.annotate(label, (r["minutes"], r["tau"]), fontsize=7, xytext=(3, -9), textcoords="offset points")
-    ax.set_xlabel("training minutes")
-    ax.set_ylabel("acceptance length τ")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save_tau_figure(fig, ax, path)
 
 
 def budget_main(argv: list[str]) -> int:
@@ -373,11 +375,4 @@ def budget_main(argv: list[str]) -> int:
     rows = budget_table(argv)
     out = out or Path(argv[0])
     out.mkdir(parents=True, exist_ok=True)
-    text = budget_markdown(rows)
-    atomic_write_text(out / "budget.md", text + "\n")
-    print(text)
-    print(f"\ntable: {out / 'budget.md'}")
-    png = plot_budget(rows, out / "budget.png")
-    if png is not None:
-        print(f"plot:  {png}")
-    return 0
+    return _write_table(budget_markdown(rows), out / "budget.md", plot_budget(rows, out / "budget.png"))
