@@ -319,7 +319,7 @@ def _ratio(value: Any, interval: Any) -> str:
 
 
 def budget_markdown(rows: list[dict[str, Any]]) -> str:
-    head = ("| run | budget min | conversations | epochs | steps | tokens trained | train min | wall min "
+    head = ("| run | budget min | conversations planned | epochs | steps | tokens trained | train min | wall min "
             "| held-out acc_0 | set | prompts | drafter | τ | speed-up [95%] | vs prompt lookup [95%] |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for r in rows:
