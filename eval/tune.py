@@ -21,15 +21,18 @@ top-k measurements it falls back to E_chain(d), the acceptance of the greedy pat
 measured time of a whole tree proposal divided by its d expansion steps. Plain decoding is always a candidate at
 exactly 1.0x.
 
-The hybrid (the draft with prompt lookup, ``HybridDrafter``) is predicted round by round rather than from rates,
-because its two proposers are not independent (text the context repeats is also text the draft finds easy). For each
-round of the same chain run: the draft's accepted path from its ranks (``draft_path_accepted``), and the lookup's
-proposal at that round's start with the prefix of it that the decode's output confirms (``measured_rounds``):
+The hybrid (the draft with prompt lookup, ``HybridDrafter``) is predicted by decoding the chain run's output again
+with the hybrid's rounds rather than from rates, because its two proposers are not independent (text the context
+repeats is also text the draft finds easy) and because a long lookup match is one round, not one per position.
+At each position of the output the model knows the lookup's proposal and the prefix of it the output confirms, and
+the draft's accepted path from the ranks of the chain round that started there (``measured_positions``,
+``draft_path_accepted``); from position 0 each round takes
 
-    hybrid tree:  E = 1 + mean over rounds of max(draft path, lookup prefix),
-                  cost mean v(T + 1 + branch) + o + d·c_tree
-    hybrid chain: E = 1 + mean of (lookup prefix where lookup proposes, else the draft chain's path),
-                  cost mean of v(k + 1), plus N·c in the rounds the draft proposes
+    hybrid tree:  max(draft path, lookup prefix) tokens + 1, at cost v(T + 1 + branch) + o + d·c_tree
+    hybrid chain: the lookup prefix where lookup proposes (cost v(k + 1)), else the draft chain's path
+                  (cost v(N + 1) + N·c)
+
+and moves past them; E is tokens over rounds, the cost the mean round's.
 """
 
 from __future__ import annotations
@@ -168,33 +171,39 @@ def candidates(
 
 
 @dataclass(frozen=True)
-class MeasuredRound:
-    """One round of the greedy chain measurement, as the hybrid's model reads it."""
+class Position:
+    """What a hybrid round starting at one position of the measured decode's output would see."""
 
     ranks: tuple[int, ...]
-    """Per depth the round reached, the rank of the verifier's token among the draft's top-k (k: absent); the
-    chain goes on past a depth only where that rank is 0."""
+    """Per depth, the rank of the verifier's token among the draft's top-k (k: absent), from the chain round that
+    started here, or where none did, from the last one before (a proxy with the same rates); the chain went on past
+    a depth only where that rank is 0."""
     lookup: tuple[int, ...]
-    """What the hybrid's lookup would propose at the round's start (the context's continuation, or the
-    datastore's), up to the longest branch a candidate uses."""
+    """What the hybrid's lookup proposes here (the context's continuation, or the datastore's), up to the longest
+    branch a candidate uses."""
     lookup_accepted: int
-    """How many of ``lookup`` the verifier's own continuation (the decode's greedy output) confirms."""
+    """How many of ``lookup`` the output (the verifier's own greedy continuation) confirms."""
 
 
-def measured_rounds(ranks: Sequence[int], accepted: Sequence[int], proposed: Sequence[int],
-                    lookups: Sequence[Sequence[int]], continuation: Sequence[int], starts: Sequence[int]
-                    ) -> list[MeasuredRound]:
-    """The rounds of one greedy chain decode: ``ranks`` the flat list it recorded (``DecodeResult.topk_ranks``'
-    ranks: min(accepted + 1, proposed) per round), ``lookups[i]`` the lookup's proposal at round i's start
-    ``starts[i]`` in ``continuation`` (the decode's output)."""
-    out, at = [], 0
-    for a, n, found, start in zip(accepted, proposed, lookups, starts):
+def measured_positions(ranks: Sequence[int], accepted: Sequence[int], proposed: Sequence[int],
+                       lookups: Sequence[Sequence[int]], continuation: Sequence[int]) -> list[Position]:
+    """One greedy chain decode, position by position: ``ranks`` the flat list it recorded (``DecodeResult.topk_ranks``'
+    ranks, min(accepted + 1, proposed) per round), ``lookups[t]`` the lookup's proposal at position t of
+    ``continuation`` (the decode's output)."""
+    by_start: dict[int, tuple[int, ...]] = {}
+    at = start = 0
+    for a, n in zip(accepted, proposed):
         reached = min(a + 1, n)
-        taken = 0
-        while taken < len(found) and start + taken < len(continuation) and found[taken] == continuation[start + taken]:
-            taken += 1
-        out.append(MeasuredRound(tuple(ranks[at: at + reached]), tuple(found), taken))
+        by_start[start] = tuple(ranks[at: at + reached])
         at += reached
+        start += a + 1
+    out, last = [], ()
+    for t, found in enumerate(lookups):
+        last = by_start.get(t, last)
+        taken = 0
+        while taken < len(found) and t + taken < len(continuation) and found[taken] == continuation[t + taken]:
+            taken += 1
+        out.append(Position(last, tuple(found), taken))
     return out
 
 
@@ -212,41 +221,53 @@ def draft_path_accepted(ranks: Sequence[int], depth: int, width: int) -> int:
     return taken
 
 
-def hybrid_tree_candidate(rounds: Sequence[MeasuredRound], shape: TreeShape, branch: int, cost: CostModel,
+def _walk(prompts: Sequence[Sequence[Position]], round_at) -> tuple[float, float]:
+    """Decode each measured output again with the hybrid's rounds: from position 0, a round accepts what
+    ``round_at(position)`` returns as (accepted, cost) and moves past its accepted tokens and the verifier's own. The
+    rounds fall where the hybrid's would (a long lookup match is one round, not one per position of the chain run).
+    Returns (tokens per round, cost per round)."""
+    tokens = rounds = cost = 0.0
+    for positions in prompts:
+        t = 0
+        while t < len(positions):
+            accepted, paid = round_at(positions[t])
+            step = min(accepted + 1, len(positions) - t)
+            tokens, rounds, cost, t = tokens + step, rounds + 1, cost + paid, t + step
+    return (tokens / rounds, cost / rounds) if rounds else (1.0, 1.0)
+
+
+def hybrid_tree_candidate(prompts: Sequence[Sequence[Position]], shape: TreeShape, branch: int, cost: CostModel,
                           tree_draft_step: float) -> Candidate:
     """The hybrid as a tree: the draft's tree of ``shape`` with the lookup's proposal (up to ``branch`` tokens) as
-    one more branch from the root. Per measured round, it accepts the longer of the draft's path and the lookup's
-    confirmed prefix; it verifies the tree's T tokens plus the branch's (counted in full: a branch that shares its
-    first token with a draft child costs one less). E and the verification cost are means over the rounds, so the
-    rounds where lookup finds nothing and those where it finds a long match keep their own costs."""
+    one more branch from the root. A round accepts the longer of the draft's path and the lookup's confirmed prefix
+    and verifies the tree's T tokens plus the branch's (counted in full: a branch that shares its first token with a
+    draft child costs one less)."""
     w = tree_width(shape)
-    gained = verify = 0.0
-    for r in rounds:
-        extra = min(len(r.lookup), branch)
-        gained += max(draft_path_accepted(r.ranks, shape.depth, w), min(r.lookup_accepted, branch))
-        verify += cost.verify(shape.total_tokens + extra + 1)
-    n = max(len(rounds), 1)
-    round_cost = verify / n + cost.round_overhead + shape.depth * tree_draft_step
+
+    def round_at(p: Position) -> tuple[int, float]:
+        accepted = max(draft_path_accepted(p.ranks, shape.depth, w), min(p.lookup_accepted, branch))
+        return accepted, cost.verify(shape.total_tokens + min(len(p.lookup), branch) + 1)
+
+    tokens, verify = _walk(prompts, round_at)
+    round_cost = verify + cost.round_overhead + shape.depth * tree_draft_step
     return Candidate(name=f"hybrid tree d={shape.depth} k={shape.top_k} T={shape.total_tokens}", method="tree",
-                     expected_tokens=1.0 + gained / n, round_cost=round_cost, num_draft_tokens=shape.depth,
+                     expected_tokens=tokens, round_cost=round_cost, num_draft_tokens=shape.depth,
                      tree=shape, hybrid=True, branch=branch)
 
 
-def hybrid_chain_candidate(rounds: Sequence[MeasuredRound], num_draft: int, cost: CostModel) -> Candidate:
+def hybrid_chain_candidate(prompts: Sequence[Sequence[Position]], num_draft: int, cost: CostModel) -> Candidate:
     """The hybrid as a chain of N: the lookup's proposal (up to N) where it has one, else the draft's chain of N,
     which is accepted as far as the chain's ranks stay 0."""
-    gained = paid = 0.0
-    for r in rounds:
-        if r.lookup:
-            k = min(len(r.lookup), num_draft)
-            gained += min(r.lookup_accepted, k)
-            paid += cost.verify(k + 1)
-        else:
-            gained += draft_path_accepted(r.ranks, num_draft, 1)
-            paid += cost.verify(num_draft + 1) + num_draft * cost.draft_step
-    n = max(len(rounds), 1)
-    return Candidate(name=f"hybrid chain N={num_draft}", method="chain", expected_tokens=1.0 + gained / n,
-                     round_cost=paid / n + cost.round_overhead, num_draft_tokens=num_draft, hybrid=True,
+
+    def round_at(p: Position) -> tuple[int, float]:
+        if p.lookup:
+            k = min(len(p.lookup), num_draft)
+            return min(p.lookup_accepted, k), cost.verify(k + 1)
+        return draft_path_accepted(p.ranks, num_draft, 1), cost.verify(num_draft + 1) + num_draft * cost.draft_step
+
+    tokens, paid = _walk(prompts, round_at)
+    return Candidate(name=f"hybrid chain N={num_draft}", method="chain", expected_tokens=tokens,
+                     round_cost=paid + cost.round_overhead, num_draft_tokens=num_draft, hybrid=True,
                      branch=num_draft)
 
 
@@ -349,8 +370,8 @@ def measure_tree_draft_seconds(
 
 
 __all__ = [
-    "PLAIN", "Candidate", "CostModel", "MeasuredRound", "candidates", "chain_candidate", "draft_path_accepted",
-    "expected_tokens", "format_table", "hybrid_chain_candidate", "hybrid_tree_candidate", "measured_rounds",
+    "PLAIN", "Candidate", "CostModel", "Position", "candidates", "chain_candidate", "draft_path_accepted",
+    "expected_tokens", "format_table", "hybrid_chain_candidate", "hybrid_tree_candidate", "measured_positions",
     "measure_tree_draft_seconds", "measure_verify_cost", "overhead_from_run", "recommend", "relative_costs",
     "tree_candidate", "tree_expected_tokens", "tree_width",
 ]

@@ -26,14 +26,14 @@ from fledge.eval.tune import (
     PLAIN,
     Candidate,
     CostModel,
-    MeasuredRound,
+    Position,
     candidates,
     format_table,
     hybrid_chain_candidate,
     hybrid_tree_candidate,
     measure_tree_draft_seconds,
     measure_verify_cost,
-    measured_rounds,
+    measured_positions,
     overhead_from_run,
     recommend,
     tree_width,
@@ -122,22 +122,20 @@ def _hybrid_lookup(cfg: TuneJobConfig, store: Any) -> PromptLookupDrafter:
                                min_ngram=cfg.hybrid_min_ngram, datastore=store)
 
 
-def hybrid_rounds(records: list[dict[str, Any]], prompt_ids: list[torch.Tensor], lookup: PromptLookupDrafter,
-                  branch: int) -> list[MeasuredRound]:
-    """The chain measurement's rounds with what the hybrid's lookup would have proposed at each round's start: the
-    lookup reads the prompt, then each round's committed tokens, as it would in the loop."""
-    rounds: list[MeasuredRound] = []
+def hybrid_positions(records: list[dict[str, Any]], prompt_ids: list[torch.Tensor], lookup: PromptLookupDrafter,
+                     branch: int) -> list[list[Position]]:
+    """Per prompt of the chain measurement, what a hybrid round would see at each position of its output: the
+    lookup reads the prompt and then the output token by token, proposing at every position."""
+    out = []
     for record, ids in zip(records, prompt_ids):
-        tokens, accepted = record["tokens"], record["accepted"]
+        tokens = record["tokens"]
         lookup.start(ids, None)
-        starts, found, at = [], [], 0
-        for a in accepted:
-            starts.append(at)
+        found = []
+        for t in range(len(tokens)):
             found.append(lookup.continuation([], branch).tolist())
-            lookup.advance(torch.tensor(tokens[at: at + a + 1], dtype=torch.long), None)
-            at += a + 1
-        rounds += measured_rounds(record["ranks"], accepted, record["proposed"], found, tokens, starts)
-    return rounds
+            lookup.advance(torch.tensor(tokens[t: t + 1], dtype=torch.long), None)
+        out.append(measured_positions(record["ranks"], record["accepted"], record["proposed"], found, tokens))
+    return out
 
 
 def _topk_lines(topk: list | None, shapes: list[TreeShape]) -> list[str]:
@@ -202,10 +200,10 @@ def run(cfg: TuneJobConfig) -> dict[str, Any]:
                  if cfg.hybrid_datastore is not None else None)
         lookup = _hybrid_lookup(cfg, store)
         branch = max([cfg.lookup_tokens, cfg.n_max] + [s.depth for s in shapes])
-        rounds = hybrid_rounds(entry["topk_rounds"], [encode_prompt(verifier.tokenizer, p) for p in prompts],
-                               lookup, branch)
-        options += [hybrid_chain_candidate(rounds, n, cost) for n in range(1, cfg.n_max + 1)]
-        options += [hybrid_tree_candidate(rounds, shape, max(shape.depth, cfg.lookup_tokens), cost, c_tree)
+        positions = hybrid_positions(entry["topk_rounds"],
+                                     [encode_prompt(verifier.tokenizer, p) for p in prompts], lookup, branch)
+        options += [hybrid_chain_candidate(positions, n, cost) for n in range(1, cfg.n_max + 1)]
+        options += [hybrid_tree_candidate(positions, shape, max(shape.depth, cfg.lookup_tokens), cost, c_tree)
                     for shape, c_tree in trees]
     choice = recommend(options)
     alphas = " ".join("-" if a is None else f"{a:.2f}" for a in entry["n_alpha"])

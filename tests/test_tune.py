@@ -11,7 +11,7 @@ from fledge.eval.proposals import TreeShape
 from fledge.eval.tune import (
     PLAIN,
     CostModel,
-    MeasuredRound,
+    Position,
     candidates,
     chain_candidate,
     draft_path_accepted,
@@ -19,7 +19,7 @@ from fledge.eval.tune import (
     hybrid_chain_candidate,
     hybrid_tree_candidate,
     measure_verify_cost,
-    measured_rounds,
+    measured_positions,
     overhead_from_run,
     recommend,
     relative_costs,
@@ -172,40 +172,45 @@ def test_tree_acceptance_from_per_depth_top_k():
     assert with_topk.expected_tokens == pytest.approx(2.28) and with_topk.round_cost == pytest.approx(2.3 + 0.2 + 0.6)
 
 
-def test_the_hybrids_model_round_by_round_by_hand():
-    # A chain run's flat ranks: round 0 reached depths 1-2 (accepted 1), round 1 depth 1 (rank 2: rejected),
-    # round 2 proposed nothing.
-    rounds = measured_rounds([0, 1, 2], accepted=[1, 0, 0], proposed=[3, 3, 0],
-                             lookups=[[5, 6, 9], [], [8]], continuation=[5, 6, 7, 1, 8], starts=[0, 2, 4])
-    assert rounds == [MeasuredRound((0, 1), (5, 6, 9), 2), MeasuredRound((2,), (), 0), MeasuredRound((), (8,), 1)]
+def test_the_hybrids_model_decodes_the_output_again_by_hand():
+    # The chain run: round 0 at position 0 reached depths 1-2 (accepted 1), round 1 at 2 reached depth 1 (rank 2:
+    # rejected), round 2 at 3 proposed nothing. The lookup's proposal at each of the 5 output positions.
+    positions = measured_positions([0, 1, 2], accepted=[1, 0, 0], proposed=[3, 3, 0],
+                                   lookups=[[5, 6, 9], [], [9], [1], []], continuation=[5, 6, 7, 1, 8])
+    assert positions == [Position((0, 1), (5, 6, 9), 2), Position((0, 1), (), 0), Position((2,), (9,), 0),
+                         Position((), (1,), 1), Position((), (), 0)]  # position 1 and 4: the last round's ranks
     # The draft's path: depth by depth while the verifier's token is among the width best, deeper only after rank 0.
     assert [draft_path_accepted(r, 2, 1) for r in [(0, 1), (2,), ()]] == [1, 0, 0]
     assert [draft_path_accepted(r, 2, 2) for r in [(0, 1), (2,), ()]] == [2, 0, 0]
     assert draft_path_accepted((0, 1), 1, 4) == 1 and draft_path_accepted((1, 0), 2, 4) == 1
     cost = CostModel(verify_steps={1: 1.0, 4: 1.3, 6: 1.5}, draft_step=0.1)
-    # Tree d=1, top 2, T=2 with a lookup branch of up to 3: rounds take max(draft, lookup) = 2, 0, 1.
-    tree = hybrid_tree_candidate(rounds, TreeShape(1, 2, 2), 3, cost, tree_draft_step=0.05)
-    assert tree.expected_tokens == pytest.approx(1 + 3 / 3) and tree.hybrid and tree.branch == 3
-    # verified tokens per round: T + branch + 1 = 6, 3, 4
-    assert tree.round_cost == pytest.approx((1.5 + cost.verify(3) + 1.3) / 3 + 0.05)
-    # Chain N=2: lookup where it proposes (cut to 2: 2 confirmed; 1), else the draft's chain (round 1: 0 accepted).
-    chain = hybrid_chain_candidate(rounds, 2, cost)
-    assert chain.expected_tokens == pytest.approx(1 + (2 + 0 + 1) / 3)
-    assert chain.round_cost == pytest.approx((cost.verify(3) + cost.verify(3) + 2 * 0.1 + cost.verify(2)) / 3)
+    # Tree d=1, top 2, T=2, branch 3: at 0 the lookup's 2 beat the draft's 1 (3 tokens, v(2+3+1)); at 3 the lookup's
+    # 1 (2 tokens, v(2+1+1)); 5 tokens in 2 rounds.
+    tree = hybrid_tree_candidate([positions], TreeShape(1, 2, 2), 3, cost, tree_draft_step=0.05)
+    assert tree.expected_tokens == pytest.approx(5 / 2) and tree.hybrid and tree.branch == 3
+    assert tree.round_cost == pytest.approx((1.5 + 1.3) / 2 + 0.05)
+    # Chain N=2: the lookup where it proposes (cut to 2), at cost v(k + 1): rounds at 0 (2 + 1) and 3 (1 + 1).
+    chain = hybrid_chain_candidate([positions], 2, cost)
+    assert chain.expected_tokens == pytest.approx(5 / 2)
+    assert chain.round_cost == pytest.approx((cost.verify(3) + cost.verify(2)) / 2)
+    # Where the lookup has nothing, the draft's chain: accepted while its ranks are 0, at v(N + 1) + N·c.
+    drafted = hybrid_chain_candidate([[Position((0, 0), (), 0), Position((0,), (), 0), Position((1,), (), 0)]], 2,
+                                     cost)
+    assert drafted.expected_tokens == 3.0 and drafted.round_cost == pytest.approx(cost.verify(3) + 0.2)
 
 
-def test_hybrid_rounds_replay_the_lookup_over_the_chain_runs_commits():
+def test_hybrid_positions_replay_the_lookup_over_the_output():
     from fledge.eval.drafters import PromptLookupDrafter
-    from fledge.eval.tune_job import hybrid_rounds
+    from fledge.eval.tune_job import hybrid_positions
 
-    # Prompt "1 2 3 1"; the decode wrote 2 3 4 1 2 in rounds committing 2 tokens (2 3), then 1 (4), then 2 (1 2).
+    # Prompt "1 2 3 1"; the chain run wrote 2 3 | 4 | 1 2 in three rounds.
     record = {"tokens": [2, 3, 4, 1, 2], "accepted": [1, 0, 1], "proposed": [2, 2, 2], "ranks": [0, 1, 3, 0, 0]}
-    rounds = hybrid_rounds([record], [torch.tensor([1, 2, 3, 1])], PromptLookupDrafter(max_ngram=2, min_ngram=1), 3)
-    # round 0 at "...3 1": "1" occurred before, followed by 2 3 1 -> 2 3 confirmed; round 1 at "...2 3": "2 3"
-    # occurred, followed by 1 2 3 -> 0 confirmed (the output has 4); round 2 at "...3 4": "4" is new -> nothing.
-    assert [r.lookup for r in rounds] == [(2, 3, 1), (1, 2, 3), ()]
-    assert [r.lookup_accepted for r in rounds] == [2, 0, 0]
-    assert [r.ranks for r in rounds] == [(0, 1), (3,), (0, 0)]
+    [positions] = hybrid_positions([record], [torch.tensor([1, 2, 3, 1])],
+                                   PromptLookupDrafter(max_ngram=2, min_ngram=1), 3)
+    # At each position, the lookup's continuation of prompt + output so far (the latest earlier occurrence).
+    assert [p.lookup for p in positions] == [(2, 3, 1), (3, 1, 2), (1, 2, 3), (), (2, 3, 4)]
+    assert [p.lookup_accepted for p in positions] == [2, 1, 0, 0, 1]
+    assert [p.ranks for p in positions] == [(0, 1), (0, 1), (3,), (0, 0), (0, 0)]
 
 
 def test_tune_measures_a_hybrid_recommendation(tiny_verifier_dir, tmp_path, monkeypatch):
