@@ -473,7 +473,8 @@ def _drafter_summary(
     if ranks:
         entry["topk_acceptance"] = topk_acceptance(ranks, num_draft, max(r.topk_width for r in results))
         # Round by round, for models that combine the draft with what else a round could propose (fledge tune's
-        # hybrid): each round's ranks (min(accepted + 1, proposed) of them) and where it started in the output.
+        # hybrid): the output, each round's accepted and proposed counts, and its ranks (min(accepted + 1, proposed)
+        # of them), from which each round's start in the output follows.
         entry["topk_rounds"] = [{"tokens": r.tokens, "accepted": r.accepted, "proposed": r.proposed,
                                  "ranks": [rank for _, rank in r.topk_ranks]} for r in results]
     return entry
