@@ -12,7 +12,7 @@ followed them (the first seen on a tie, so the table is deterministic). A contin
 decode: the next token after the longest n-gram that ends the text so far, appended, again, until no n-gram
 matches or ``n`` tokens are proposed. (Decoding token by token reached τ 1.79 where the most frequent whole
 5-token continuation of the last n-gram reached 1.75, with as many tokens proposed per round: held-out shipped
-answers, context lookup first, ``docs/design.md``.)
+answers, context lookup first: ``python -m fledge.eval.datastore_bench``, ``docs/design.md``.)
 """
 
 from __future__ import annotations
@@ -108,71 +108,3 @@ def load_datastore(source: str, tokenizer, max_ngram: int = 4, min_ngram: int = 
              f"{store.tokens:,}", f"{len(store):,}", min_ngram, max_ngram, store.seconds)
     return store
 
-
-def simulate_lookup(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], lookup, num_tokens: int = 5,
-                    max_new_tokens: int = 128) -> dict[str, float]:
-    """Greedy speculative rounds of a lookup drafter alone over known answers, without a model: each round proposes
-    a continuation of (prompt + the answer so far), accepts its prefix that matches the answer, and commits that
-    prefix and the next answer token. ``pairs``: (prompt ids, answer ids) where the answer is the verifier's greedy
-    one, so the rounds are the ones decoding would make. Returns τ and the tokens proposed per round."""
-    import torch
-
-    tokens = rounds = proposed = 0
-    for prompt, answer in pairs:
-        answer = list(answer[:max_new_tokens])
-        lookup.start(torch.tensor(list(prompt), dtype=torch.long), None)
-        t = 0
-        while t < len(answer):
-            guess = lookup.continuation([], num_tokens).tolist()
-            k = 0
-            while k < len(guess) and t + k < len(answer) and guess[k] == answer[t + k]:
-                k += 1
-            lookup.advance(torch.tensor(answer[t: t + k + 1], dtype=torch.long), None)
-            t += k + 1
-            rounds += 1
-            proposed += len(guess)
-        tokens += len(answer)
-    return {"tau": tokens / rounds if rounds else 0.0, "proposed_per_round": proposed / rounds if rounds else 0.0,
-            "rounds": rounds}
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m fledge.eval.datastore``: what the shipped datastore adds to prompt lookup, measured on held-out
-    shipped answers (the datastore built from the others), in seconds and without a model."""
-    import argparse
-
-    from fledge.data.sources import SHIPPED_SOURCE, DataConfig, load_conversations
-    from fledge.eval.drafters import PromptLookupDrafter
-    from fledge.models.verifier import VerifierConfig, load_tokenizer
-
-    parser = argparse.ArgumentParser(prog="python -m fledge.eval.datastore", description=main.__doc__)
-    parser.add_argument("--holdout", type=int, default=100, help="answers held out of the datastore and decoded")
-    parser.add_argument("--max-ngram", type=int, default=4)
-    parser.add_argument("--min-ngram", type=int, default=2)
-    parser.add_argument("--tokens", type=int, default=5, help="tokens proposed per round at most (num_draft_tokens)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    tokenizer = load_tokenizer(VerifierConfig())
-    conversations, _ = load_conversations(DataConfig(source=SHIPPED_SOURCE))
-    if not 0 < args.holdout < len(conversations):
-        raise ConfigError(f"--holdout must be between 1 and {len(conversations) - 1}, got {args.holdout}")
-    kept, held = conversations[: -args.holdout], conversations[-args.holdout:]
-    store = NgramDatastore(answer_token_ids(kept, tokenizer), args.max_ngram, args.min_ngram)
-
-    def ids(text: str) -> list[int]:
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    pairs = [(ids(next(m["content"] for m in c if m["role"] == "user")),
-              ids(next(m["content"] for m in c if m["role"] == "assistant"))) for c in held]
-    print(f"datastore: {store.tokens:,} tokens of {len(kept)} answers, {len(store):,} n-grams "
-          f"(n = {args.min_ngram}..{args.max_ngram}), built in {store.seconds:.1f} s; {len(held)} answers held out")
-    for name, datastore in (("prompt_lookup", None), ("lookup+datastore", store)):
-        lookup = PromptLookupDrafter(max_ngram=max(3, args.min_ngram), min_ngram=args.min_ngram, datastore=datastore)
-        figures = simulate_lookup(pairs, lookup, args.tokens)
-        print(f"datastore_holdout {name} tau {figures['tau']:.3f} proposed_per_round "
-              f"{figures['proposed_per_round']:.2f} rounds {figures['rounds']}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

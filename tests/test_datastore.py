@@ -101,7 +101,7 @@ def test_eval_with_a_datastore_of_the_verifiers_answers(tiny_verifier_dir, tmp_p
 
 
 def test_lookup_rounds_over_known_answers_measure_what_the_datastore_adds(capsys):
-    from fledge.eval.datastore import main, simulate_lookup
+    from fledge.eval.datastore_bench import main, simulate_lookup
 
     answers = [[10, 11, 12, 13, 14, 15], [20, 10, 11, 12, 13, 14]]
     prompts = [[1, 2], [3, 4]]
