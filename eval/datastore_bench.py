@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"datastore: {store.tokens:,} tokens of {len(kept)} answers, {len(store):,} n-grams "
           f"(n = {args.min_ngram}..{args.max_ngram}), built in {store.seconds:.1f} s; {len(held)} answers held out")
     for name, datastore in (("prompt_lookup", None), ("lookup+datastore", store)):
-        lookup = PromptLookupDrafter(max_ngram=max(3, args.min_ngram), min_ngram=args.min_ngram, datastore=datastore)
+        lookup = PromptLookupDrafter.matching(args.min_ngram, datastore=datastore)
         figures = simulate_lookup(pairs, lookup, args.tokens)
         print(f"datastore_holdout {name} tau {figures['tau']:.3f} proposed_per_round "
               f"{figures['proposed_per_round']:.2f} rounds {figures['rounds']}")

@@ -33,6 +33,13 @@ class PromptLookupDrafter:
         self._buffer = torch.empty(0, dtype=torch.long)
         self._length = 0
 
+    @classmethod
+    def matching(cls, min_ngram: int, max_ngram: int = 3, datastore: NgramDatastore | None = None
+                 ) -> PromptLookupDrafter:
+        """A lookup that proposes only after ``min_ngram`` matching tokens (the hybrid's ``hybrid_min_ngram``),
+        trying n-grams up to ``max_ngram`` or ``min_ngram``, whichever is longer."""
+        return cls(max(max_ngram, min_ngram), min_ngram, datastore)
+
     def fresh(self) -> PromptLookupDrafter:
         return PromptLookupDrafter(self.max_ngram, self.min_ngram, self.datastore)
 

@@ -120,8 +120,7 @@ def run(cfg: EvalJobConfig) -> dict[str, Any]:
             drafters[f"eagle3{suffix}"] = drafter
         draft_meta = {"path": str(cfg.draft), "draft_vocab_size": int(drafter.draft.config.draft_vocab_size)}
         if cfg.hybrid:
-            lookup = PromptLookupDrafter(max_ngram=max(cfg.prompt_lookup_max_ngram, cfg.hybrid_min_ngram),
-                                         min_ngram=cfg.hybrid_min_ngram, datastore=store)
+            lookup = PromptLookupDrafter.matching(cfg.hybrid_min_ngram, cfg.prompt_lookup_max_ngram, store)
             drafters[f"eagle3+lookup{suffix}"] = HybridDrafter(EagleDrafter(drafter.draft, cfg.draft_min_prob), lookup,
                                                                draft_tokens=cfg.hybrid_draft_tokens,
                                                                extend=cfg.hybrid_extend)
@@ -130,9 +129,8 @@ def run(cfg: EvalJobConfig) -> dict[str, Any]:
     if cfg.prompt_lookup:
         drafters["prompt_lookup"] = PromptLookupDrafter(max_ngram=cfg.prompt_lookup_max_ngram)
     if cfg.datastore_alone:
-        drafters["lookup+datastore"] = PromptLookupDrafter(max_ngram=max(cfg.prompt_lookup_max_ngram,
-                                                                         cfg.hybrid_min_ngram),
-                                                           min_ngram=cfg.hybrid_min_ngram, datastore=store)
+        drafters["lookup+datastore"] = PromptLookupDrafter.matching(cfg.hybrid_min_ngram,
+                                                                    cfg.prompt_lookup_max_ngram, store)
     if not drafters:
         raise ConfigError("nothing to evaluate", fix="set draft=... or prompt_lookup=true")
     prompt_sets = {_set_name(s): load_prompts(s) for s in cfg.prompts}

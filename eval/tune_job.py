@@ -117,11 +117,6 @@ def _shape_kwargs(choice: Candidate) -> dict[str, Any]:
     return dict(method="chain", num_draft_tokens=choice.num_draft_tokens)
 
 
-def _hybrid_lookup(cfg: TuneJobConfig, store: Any) -> PromptLookupDrafter:
-    return PromptLookupDrafter(max_ngram=max(cfg.prompt_lookup_max_ngram, cfg.hybrid_min_ngram),
-                               min_ngram=cfg.hybrid_min_ngram, datastore=store)
-
-
 def hybrid_positions(records: list[dict[str, Any]], prompt_ids: list[torch.Tensor], lookup: PromptLookupDrafter,
                      branch: int) -> list[list[Position]]:
     """Per prompt of the chain measurement, what a hybrid round would see at each position of its output: the
@@ -198,7 +193,7 @@ def run(cfg: TuneJobConfig) -> dict[str, Any]:
     if cfg.hybrid and entry.get("topk_rounds"):
         store = (load_datastore(cfg.hybrid_datastore, verifier.tokenizer, fingerprint=verifier.fingerprint)
                  if cfg.hybrid_datastore is not None else None)
-        lookup = _hybrid_lookup(cfg, store)
+        lookup = PromptLookupDrafter.matching(cfg.hybrid_min_ngram, cfg.prompt_lookup_max_ngram, store)
         branch = max([cfg.lookup_tokens, cfg.n_max] + [s.depth for s in shapes])
         positions = hybrid_positions(entry["topk_rounds"],
                                      [encode_prompt(verifier.tokenizer, p) for p in prompts], lookup, branch)
