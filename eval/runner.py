@@ -23,7 +23,7 @@ from fledge.core.errors import ConfigError
 from fledge.data.template import stop_token_ids
 from fledge.eval.batch_eval import evaluate_batched, plot_batch
 from fledge.eval.chain import generate_chain
-from fledge.eval.drafters import EagleDrafter
+from fledge.eval.drafters import EagleDrafter, HybridDrafter
 from fledge.eval.hf_baseline import generate_hf
 from fledge.eval.metrics import (
     REFERENCE_DRAFTER,
@@ -284,6 +284,9 @@ def evaluate(
         floors = (_round_floors(verifier, encoded[0][1], set(methods.values()), cfg, aux_ids)
                   if cfg.round_floor and named else None)
         set_report = {"num_prompts": len(encoded), "baseline": base, "drafters": {}}
+        coverage = draft_vocab_coverage(named, plain)
+        if coverage is not None:
+            set_report["draft_vocab_coverage"] = coverage
         for name, _ in named:
             entry = _drafter_summary(runs[name], plain, hf, [pid for pid, _ in encoded], methods[name], cfg, base,
                                      floors)
@@ -311,6 +314,22 @@ def evaluate(
             report["files"]["batch_png"] = str(out / "speedup_vs_batch.png")
             (out / "report.json").write_text(json.dumps(report, indent=2))
     return report
+
+
+def draft_vocab_coverage(named: list[tuple[str, Drafter]], plain: list[DecodeResult]) -> float | None:
+    """The share of plain decoding's tokens that the first EAGLE-3 drafter among ``named`` can propose at all (its
+    draft vocabulary holds them), or None without one. A verifier token outside the draft vocabulary is rejected
+    whatever the draft learnt, so this caps every depth's acceptance of the draft's own proposals."""
+    eagle = next((d if isinstance(d, EagleDrafter) else d.eagle for _, d in named
+                  if isinstance(d, EagleDrafter | HybridDrafter)), None)
+    tokens = [t for r in plain for t in r.tokens]
+    if eagle is None or not tokens:
+        return None
+    if eagle.draft_to_target is None:
+        return 1.0
+    proposable = torch.zeros(eagle.target_vocab_size, dtype=torch.bool)
+    proposable[eagle.draft_to_target.cpu()] = True
+    return float(proposable[torch.tensor(tokens)].float().mean())
 
 
 def _batched_set(
@@ -453,7 +472,7 @@ def _drafter_summary(
         round_cost_in_steps=sum(parts.values()),
         per_prompt=[
             {"id": pid, "tokens": len(r.tokens), "seconds": r.seconds, "rounds": len(r.accepted),
-             "baseline_tokens_per_s": b, "speedup": x}
+             "committed": sum(a + 1 for a in r.accepted), "baseline_tokens_per_s": b, "speedup": x}
             for pid, r, b, x in zip(prompt_ids, results, baselines, ratios)
         ],
     )
@@ -576,6 +595,7 @@ def _one_line(entry: dict) -> str:
 
 def stable_figures(report: dict[str, Any]) -> list[str]:
     """The figures benchmarks compare, one per line under a stable label: ``baseline_vs_hf <set> <value>``,
+    ``draft_vocab_coverage <set> <share>`` (of plain decoding's tokens the draft vocabulary holds),
     ``round_overhead <set>/<drafter> <value>`` and ``vs_prompt_lookup <set>/<drafter> <ratio> [<lo>, <hi>]`` (the
     drafter's throughput over prompt lookup's on the same prompts, paired bootstrap interval)."""
     lines = []
@@ -584,6 +604,8 @@ def stable_figures(report: dict[str, Any]) -> list[str]:
         if "baseline_vs_hf" in base:
             lo, hi = base["baseline_vs_hf_interval"]
             lines.append(f"baseline_vs_hf {set_name} {base['baseline_vs_hf']:.3f} [{lo:.3f}, {hi:.3f}]")
+        if "draft_vocab_coverage" in entry:
+            lines.append(f"draft_vocab_coverage {set_name} {entry['draft_vocab_coverage']:.3f}")
         for name, d in entry.get("drafters", {}).items():
             if "round_overhead" in d:
                 lines.append(f"round_overhead {set_name}/{name} {d['round_overhead']:.3f}")

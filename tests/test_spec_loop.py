@@ -15,9 +15,9 @@ from fledge.eval.chain import generate_chain
 from fledge.eval.drafters import EagleDrafter, HybridDrafter, PromptLookupDrafter, RandomDrafter
 from fledge.eval.exactness import tiny_verifier
 from fledge.eval.proposals import DraftTree, TreeShape, grow_tree, propose_chain_with
-from fledge.eval.runner import EvalConfig, evaluate, stable_figures
+from fledge.eval.runner import EvalConfig, draft_vocab_coverage, evaluate, stable_figures
 from fledge.eval.tree import generate_tree, tree_attention_mask
-from fledge.eval.verifier_state import ROUND_PARTS, VerifierState, generate_plain
+from fledge.eval.verifier_state import ROUND_PARTS, DecodeResult, VerifierState, generate_plain
 from fledge.export.write import tau_from_report
 from fledge.models.capture import capture_hidden
 from fledge.models.draft import Eagle3Config, Eagle3Draft
@@ -388,7 +388,9 @@ def test_evaluate_reports_lossless_drafters(tiny_verifier_dir, tmp_path):
         floor = entry["round_floor"]
         assert floor["floor_steps"] == pytest.approx(floor["verify_steps"] + parts["draft"] + parts["draft_update"])
         assert entry["round_overhead"] == pytest.approx(entry["round_cost_in_steps"] / floor["floor_steps"] - 1)
-    labels = ["baseline_vs_hf"] + ["round_overhead"] * 4 + ["vs_prompt_lookup"] * 3
+    # The draft vocabulary holds 2048 of the tiny verifier's ids: a share of plain decoding's tokens, printed too.
+    assert 0.0 <= report["sets"]["toy"]["draft_vocab_coverage"] <= 1.0
+    labels = ["baseline_vs_hf", "draft_vocab_coverage"] + ["round_overhead"] * 4 + ["vs_prompt_lookup"] * 3
     assert [line.split()[0] for line in stable_figures(report)] == labels
     # Each drafter against prompt lookup on the same prompts: pooled throughput over pooled throughput, paired.
     lookup = entries["prompt_lookup"]["per_prompt"]
@@ -658,3 +660,22 @@ def write_random_draft_run_in_memory(verifier_dir):
     draft = Eagle3Draft(config, seed=0)
     draft.load_verifier_embedding(verifier.model.get_input_embeddings().weight.detach())
     return verifier, draft
+
+
+def test_draft_vocab_coverage_counts_plain_tokens_the_draft_can_propose():
+    """The share of the verifier's plain tokens inside the draft vocabulary: the ceiling of the draft's acceptance."""
+    config = Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=8, vocab_size=100, draft_vocab_size=10, target_hidden_size=32,
+                          aux_layer_ids=[0, 1, 2])
+    draft = Eagle3Draft(config, seed=0)
+    draft.d2t.copy_(torch.arange(10) * 9)  # draft id i proposes verifier id 10 * i
+    plain = [DecodeResult(tokens=[0, 10, 11]), DecodeResult(tokens=[90, 5])]
+    eagle = EagleDrafter(draft)
+    assert draft_vocab_coverage([("eagle", eagle)], plain) == pytest.approx(3 / 5)
+    hybrid = HybridDrafter(EagleDrafter(draft), PromptLookupDrafter())
+    assert draft_vocab_coverage([("lookup", PromptLookupDrafter()), ("hybrid", hybrid)], plain) == pytest.approx(3 / 5)
+    assert draft_vocab_coverage([("lookup", PromptLookupDrafter())], plain) is None
+    full = Eagle3Draft(Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=8, vocab_size=100, draft_vocab_size=100,
+                                    target_hidden_size=32, aux_layer_ids=[0, 1, 2]), seed=0)
+    assert draft_vocab_coverage([("eagle", EagleDrafter(full))], plain) == 1.0
