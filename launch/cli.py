@@ -98,6 +98,10 @@ STAGES: dict[str, Stage] = {
         "", "fledge.launch.sweep:budget_main", "what a larger budget buys: a table and τ against training minutes",
         hydra=False,
     ),
+    "sweep_compare": Stage(
+        "", "fledge.eval.compare:compare_main", "two evaluations of the same prompts, compared prompt by prompt",
+        hydra=False,
+    ),
     "export_check": Stage("", "fledge.export.job:check_main", "validate any EAGLE-3 checkpoint", hydra=False),
 }
 

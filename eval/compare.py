@@ -1,0 +1,131 @@
+"""Two evaluations of the same prompts, compared prompt by prompt: what a lever bought.
+
+    fledge eval draft=runs/a/train eval.out_dir=runs/a_e24 eval.max_prompts=24 ...
+    fledge eval draft=runs/b/train eval.out_dir=runs/b_e24 eval.max_prompts=24 ...
+    fledge sweep compare runs/a_e24 runs/b_e24          # B against A, per prompt set and drafter
+
+Two drafts' τ intervals over prompts overlap even when one wins on every prompt, because they mostly measure how
+the prompts differ. Pairing cancels that: for each prompt set and drafter both reports hold, the prompts both ran
+(by id) are resampled *in pairs*, and the difference of the pooled τ (B − A) and the ratio of the mean per-prompt
+speed-ups (B / A, each against the plain decoding timed beside it in its own run) get bootstrap 95 % intervals.
+Speed-ups come from separate runs, so a change of the machine's load between them lands in the ratio; τ does not
+depend on the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from fledge.core.errors import ConfigError
+from fledge.eval.metrics import bootstrap_interval
+
+
+def load_report(path: str | Path) -> dict[str, Any]:
+    """A ``fledge eval`` report from its ``report.json`` or the folder that holds it."""
+    path = Path(path)
+    file = path / "report.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ConfigError(f"no evaluation report at {path}", fix="give a fledge eval out_dir or its report.json")
+    try:
+        report = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{file} is not JSON ({err})", fix="rerun the fledge eval that wrote it") from err
+    if not isinstance(report, dict) or not isinstance(report.get("sets"), dict):
+        raise ConfigError(f"{file} is not a fledge eval report (no 'sets')", fix="give a fledge eval report.json")
+    return report
+
+
+def _per_prompt(entry: dict[str, Any]) -> dict[Any, tuple[float, int, float]]:
+    """{prompt id: (tokens its rounds committed, rounds, speed-up)}. Reports before ``committed`` was recorded give
+    the output's tokens less the prefill's one, which differs only where the last round was cut."""
+    out = {}
+    for p in entry.get("per_prompt", []):
+        committed = p["committed"] if "committed" in p else max(p["tokens"] - 1, 0)
+        out[p["id"]] = (committed, p["rounds"], p["speedup"])
+    return out
+
+
+def _pooled_tau(rows: list[tuple[float, int, float]]) -> float:
+    rounds = sum(r[1] for r in rows)
+    return sum(r[0] for r in rows) / rounds if rounds else math.nan
+
+
+def _mean_speedup(rows: list[tuple[float, int, float]]) -> float:
+    values = [r[2] for r in rows if not math.isnan(r[2])]
+    return sum(values) / len(values) if values else math.nan
+
+
+def compare_reports(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per (prompt set, drafter) in both reports: τ of each, the paired τ difference B − A and the paired
+    speed-up ratio B / A with bootstrap intervals, over the prompts both ran. Refused when they share none."""
+    rows = []
+    for set_name, entry_a in a["sets"].items():
+        entry_b = b["sets"].get(set_name)
+        if entry_b is None:
+            continue
+        for name, d_a in entry_a.get("drafters", {}).items():
+            d_b = entry_b.get("drafters", {}).get(name)
+            if d_b is None or d_a.get("method") == "plain" or not d_a.get("per_prompt") or not d_b.get("per_prompt"):
+                continue
+            pa, pb = _per_prompt(d_a), _per_prompt(d_b)
+            ids = [i for i in pa if i in pb]
+            if not ids:
+                continue
+            pairs = [(pa[i], pb[i]) for i in ids]
+
+            def tau_diff(sample: list) -> float:
+                return _pooled_tau([y for _, y in sample]) - _pooled_tau([x for x, _ in sample])
+
+            def speedup_ratio(sample: list) -> float:
+                base = _mean_speedup([x for x, _ in sample])
+                return _mean_speedup([y for _, y in sample]) / base if base else math.nan
+
+            rows.append({
+                "set": set_name, "drafter": name, "prompts": len(ids),
+                "tau_a": _pooled_tau([x for x, _ in pairs]), "tau_b": _pooled_tau([y for _, y in pairs]),
+                "tau_diff": tau_diff(pairs), "tau_diff_interval": list(bootstrap_interval(pairs, tau_diff)),
+                "speedup_ratio": speedup_ratio(pairs),
+                "speedup_ratio_interval": list(bootstrap_interval(pairs, speedup_ratio)),
+            })
+    if not rows:
+        raise ConfigError("the two reports share no prompt set, drafter and prompt",
+                          fix="compare evaluations of the same prompt sets (same prompts and eval.max_prompts)")
+    return rows
+
+
+def compare_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The table, then one stable line per row: ``tau_diff <set>/<drafter> <diff> [<lo>, <hi>]`` and
+    ``speedup_ratio <set>/<drafter> <ratio> [<lo>, <hi>]``."""
+    lines = ["prompt set  drafter             prompts  τ A    τ B    τ B − A [95%]             speed-up B / A [95%]"]
+    for r in rows:
+        lo, hi = r["tau_diff_interval"]
+        slo, shi = r["speedup_ratio_interval"]
+        lines.append(f"{r['set']:<11} {r['drafter']:<19} {r['prompts']:>7}  {r['tau_a']:.3f}  {r['tau_b']:.3f}  "
+                     f"{r['tau_diff']:+.3f} [{lo:+.3f}, {hi:+.3f}]      {r['speedup_ratio']:.3f}x "
+                     f"[{slo:.3f}, {shi:.3f}]")
+    lines.append("")
+    for r in rows:
+        key = f"{r['set']}/{r['drafter']}"
+        lo, hi = r["tau_diff_interval"]
+        lines.append(f"tau_diff {key} {r['tau_diff']:+.4f} [{lo:+.4f}, {hi:+.4f}]")
+    for r in rows:
+        key = f"{r['set']}/{r['drafter']}"
+        lo, hi = r["speedup_ratio_interval"]
+        lines.append(f"speedup_ratio {key} {r['speedup_ratio']:.4f} [{lo:.4f}, {hi:.4f}]")
+    return lines
+
+
+def compare_main(argv: list[str]) -> int:
+    """``fledge sweep compare A B``: B against A, prompt by prompt (A and B: fledge eval out_dirs or report.json)."""
+    if len(argv) != 2 or any(a.startswith("-") for a in argv):
+        print("usage: fledge sweep compare A B   (two fledge eval out_dirs or report.json files; B against A, "
+              "prompt by prompt)")
+        return 2
+    rows = compare_reports(load_report(argv[0]), load_report(argv[1]))
+    print("\n".join([f"B = {argv[1]} against A = {argv[0]}", *compare_lines(rows)]))
+    sys.stdout.flush()
+    return 0
