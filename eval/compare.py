@@ -39,13 +39,18 @@ def load_report(path: str | Path) -> dict[str, Any]:
     return report
 
 
-def _per_prompt(entry: dict[str, Any]) -> dict[Any, tuple[float, int, float]]:
-    """{prompt id: (tokens its rounds committed, rounds, speed-up)}. Reports before ``committed`` was recorded give
-    the output's tokens less the prefill's one, which differs only where the last round was cut."""
+def _has_committed(entry: dict[str, Any]) -> bool:
+    return all("committed" in p for p in entry.get("per_prompt", []))
+
+
+def _per_prompt(entry: dict[str, Any], committed: bool) -> dict[Any, tuple[float, int, float]]:
+    """{prompt id: (tokens its rounds committed, rounds, speed-up)}; with ``committed`` false, the output's tokens
+    less the prefill's one instead (reports from before ``committed`` was recorded), which falls short of the
+    rounds' count where the last round was cut at the length limit or a stop token."""
     out = {}
     for p in entry.get("per_prompt", []):
-        committed = p["committed"] if "committed" in p else max(p["tokens"] - 1, 0)
-        out[p["id"]] = (committed, p["rounds"], p["speedup"])
+        tokens = p["committed"] if committed else max(p["tokens"] - 1, 0)
+        out[p["id"]] = (tokens, p["rounds"], p["speedup"])
     return out
 
 
@@ -71,7 +76,10 @@ def compare_reports(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]
             d_b = entry_b.get("drafters", {}).get(name)
             if d_b is None or d_a.get("method") == "plain" or not d_a.get("per_prompt") or not d_b.get("per_prompt"):
                 continue
-            pa, pb = _per_prompt(d_a), _per_prompt(d_b)
+            # Both sides count τ the same way: the rounds' committed tokens where both reports have them, else the
+            # output's tokens (so an older report does not put a counting difference into the comparison).
+            committed = _has_committed(d_a) and _has_committed(d_b)
+            pa, pb = _per_prompt(d_a, committed), _per_prompt(d_b, committed)
             ids = [i for i in pa if i in pb]
             if not ids:
                 continue
@@ -86,6 +94,7 @@ def compare_reports(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]
 
             rows.append({
                 "set": set_name, "drafter": name, "prompts": len(ids),
+                "tau_from": "committed" if committed else "tokens",
                 "tau_a": _pooled_tau([x for x, _ in pairs]), "tau_b": _pooled_tau([y for _, y in pairs]),
                 "tau_diff": tau_diff(pairs), "tau_diff_interval": list(bootstrap_interval(pairs, tau_diff)),
                 "speedup_ratio": speedup_ratio(pairs),
@@ -107,6 +116,9 @@ def compare_lines(rows: list[dict[str, Any]]) -> list[str]:
         lines.append(f"{r['set']:<11} {r['drafter']:<19} {r['prompts']:>7}  {r['tau_a']:.3f}  {r['tau_b']:.3f}  "
                      f"{r['tau_diff']:+.3f} [{lo:+.3f}, {hi:+.3f}]      {r['speedup_ratio']:.3f}x "
                      f"[{slo:.3f}, {shi:.3f}]")
+    if any(r["tau_from"] == "tokens" for r in rows):
+        lines.append("(τ from each prompt's output tokens less the prefill's one: a report predates per-prompt "
+                     "committed tokens, so the τ columns can differ slightly from the reports' own)")
     lines.append("")
     for r in rows:
         key = f"{r['set']}/{r['drafter']}"
