@@ -64,13 +64,14 @@ class TuneJobConfig:
     """The chain length of the measurement run: α is measured at depths 1..n_max, chains up to it predicted."""
     tree_shapes: list[TreeCandidateConfig] = field(default_factory=lambda: [
         TreeCandidateConfig(1, 2, 2), TreeCandidateConfig(1, 4, 4), TreeCandidateConfig(2, 4, 6),
-        TreeCandidateConfig(2, 4, 8), TreeCandidateConfig(3, 2, 4), TreeCandidateConfig(4, 4, 16),
-        TreeCandidateConfig(6, 8, 48),
+        TreeCandidateConfig(2, 4, 8), TreeCandidateConfig(3, 2, 4), TreeCandidateConfig(3, 4, 8),
+        TreeCandidateConfig(4, 4, 16), TreeCandidateConfig(6, 8, 48),
     ])
     """EAGLE-2 tree shapes to predict; the last is EAGLE-2's default. Depth-1 trees (the draft's top-k first tokens
     in one verifier pass, no draft forward beyond the root) are what a short run's draft affords on a CPU, where
-    checking a few tokens costs about one step and the draft is seldom right past its first token; d=2 k=4 T=6 adds
-    the two likeliest second tokens to the four first ones, for a draft trained with a 2-step unroll."""
+    checking a few tokens costs about one step and the draft is seldom right past its first token; d=2 k=4 T=6 and
+    d=3 k=4 T=8 add the likeliest second and third tokens to the four first ones, for drafts trained with a 2- or
+    3-step unroll (the quickstart's)."""
     verify_repeats: int = 5
     """Timed repeats per k when measuring v(k) (the median is kept)."""
     warmup_tokens: int = 8
