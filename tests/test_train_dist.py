@@ -63,8 +63,11 @@ def assert_matches_single(run: Path, single: Path) -> None:
     assert losses(run, "eval/loss") == pytest.approx(losses(single, "eval/loss"), rel=1e-5)
     assert len(losses(run)) == 4
     got, want = load_file(str(run / "draft" / "model.safetensors")), load_file(str(single / "draft" / "model.safetensors"))
+    # 1e-4 is 1 % of one step at lr 1e-2: a wrong reduction (a sum for a mean, a missed micro-batch) moves weights by
+    # about a step. Adam divides by sqrt(v), so where a gradient is near 0 the ranks' other summation order can move
+    # an element by more than 1e-5 (1.5e-5 in one of 2048 on an AMX Xeon), though losses agree to 1e-5.
     for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-5, msg=k)
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-4, msg=k)
     setup = read_jsonl(run / "metrics.jsonl")[0]
     assert setup["params/in_optimizer"] == setup["params/trainable"], "the frozen embedding must stay out of the optimizer"
 
