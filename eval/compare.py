@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
 from fledge.core.errors import ConfigError
-from fledge.eval.metrics import bootstrap_interval
+from fledge.eval.metrics import bootstrap_interval, pooled_tau
 
 
 def load_report(path: str | Path) -> dict[str, Any]:
@@ -55,8 +54,7 @@ def _per_prompt(entry: dict[str, Any], committed: bool) -> dict[Any, tuple[float
 
 
 def _pooled_tau(rows: list[tuple[float, int, float]]) -> float:
-    rounds = sum(r[1] for r in rows)
-    return sum(r[0] for r in rows) / rounds if rounds else math.nan
+    return pooled_tau([(tokens, rounds) for tokens, rounds, _ in rows])
 
 
 def _mean_speedup(rows: list[tuple[float, int, float]]) -> float:
@@ -139,5 +137,4 @@ def compare_main(argv: list[str]) -> int:
         return 2
     rows = compare_reports(load_report(argv[0]), load_report(argv[1]))
     print("\n".join([f"B = {argv[1]} against A = {argv[0]}", *compare_lines(rows)]))
-    sys.stdout.flush()
     return 0

@@ -472,8 +472,8 @@ def _drafter_summary(
         round_cost_in_steps=sum(parts.values()),
         per_prompt=[
             {"id": pid, "tokens": len(r.tokens), "seconds": r.seconds, "rounds": len(r.accepted),
-             "committed": sum(a + 1 for a in r.accepted), "baseline_tokens_per_s": b, "speedup": x}
-            for pid, r, b, x in zip(prompt_ids, results, baselines, ratios)
+             "committed": committed, "baseline_tokens_per_s": b, "speedup": x}
+            for pid, r, b, x, (committed, _) in zip(prompt_ids, results, baselines, ratios, per_prompt_tau)
         ],
     )
     if floors is not None:
