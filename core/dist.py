@@ -7,13 +7,17 @@ files know nothing of ranks.
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from fledge.core.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -54,14 +58,29 @@ def backend_for(device: torch.device, backend: str = "auto") -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def init_process_group(device: str = "auto", backend: str = "auto") -> tuple[DistInfo, torch.device]:
+TIMEOUT_MINUTES = 60.0
+"""How long a rank waits in a collective before the group gives up. torch's default (10 minutes) is shorter than
+rank 0's first load of a large verifier (a download, a GGUF conversion) while the other ranks wait for it in a
+barrier; a real hang still ends, with the launcher's error, within the hour."""
+
+
+def timeout(minutes: float) -> timedelta:
+    if not minutes > 0:
+        raise ConfigError(f"a process-group timeout must be positive, got {minutes} minutes",
+                          fix="engine.timeout_minutes=60 (the default), or longer for very slow first loads")
+    return timedelta(minutes=minutes)
+
+
+def init_process_group(
+    device: str = "auto", backend: str = "auto", timeout_minutes: float = TIMEOUT_MINUTES
+) -> tuple[DistInfo, torch.device]:
     """This process's rank and device; with several ranks, join their process group (idempotent)."""
     info = dist_info()
     where = pick_device(device, info)
     if where.type == "cuda":
         torch.cuda.set_device(where)
     if info.distributed and not dist.is_initialized():
-        dist.init_process_group(backend=backend_for(where, backend))
+        dist.init_process_group(backend=backend_for(where, backend), timeout=timeout(timeout_minutes))
     return info, where
 
 
@@ -70,8 +89,10 @@ def process_group(device: str = "auto", backend: str = "auto") -> Iterator[tuple
     """``init_process_group`` for the length of a stage; the group is destroyed on the way out, error or not."""
     try:
         yield init_process_group(device, backend)
-    finally:
-        cleanup()
+    except BaseException:
+        cleanup(in_step=False)
+        raise
+    cleanup()
 
 
 def barrier() -> None:
@@ -87,6 +108,14 @@ def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
     return values
 
 
-def cleanup() -> None:
+def cleanup(in_step: bool = True) -> None:
+    """Leave the process group in order. Objects that hold it (DDP's reducer, DeepSpeed's engine) sit in reference
+    cycles: collected here, while the interpreter is whole, rather than at its shutdown, where a group torn down
+    with its worker threads still live can abort the process. ``in_step`` (every rank got here together): a
+    barrier first, so that no rank closes its connections while another still reads from them; on an error path
+    there is none, so that a failing rank exits (and its launcher stops the others) instead of waiting."""
     if dist.is_available() and dist.is_initialized():
+        gc.collect()
+        if in_step and dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from fledge.core.config import fields_of
 from fledge.launch.cli import CONF_DIR, STAGES
-from fledge.train.loop import RESUME_INVARIANTS, CacheBinding, RunBinding, TrainJobConfig
+from fledge.train.loop import RESUME_INVARIANTS, CacheBinding, RunBinding, RuntimeBinding, TrainJobConfig
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("core", "models", "data", "train", "eval", "export", "launch")
@@ -153,7 +153,8 @@ def test_every_stage_uses_the_shared_hydra_block():
 def test_resume_invariants_name_fields_that_exist():
     resolved = {
         **OmegaConf.to_container(OmegaConf.structured(TrainJobConfig)),
-        **dataclasses.asdict(RunBinding(world_size=2, cache=CacheBinding("c", 10, 100, "abc"))),
+        **dataclasses.asdict(RunBinding(world_size=2, cache=CacheBinding("c", 10, 100, "abc"),
+                                        runtime=RuntimeBinding("ddp", "float32", "cpu", {"torch": "2.13.0"}))),
     }
     missing = object()
     assert all(ref.get(resolved, missing) is not missing for ref in RESUME_INVARIANTS)

@@ -83,3 +83,50 @@ def test_warmup_then_cosine_to_min_lr():
     assert f(110) == pytest.approx(0.1) and f(500) == pytest.approx(0.1)
     values = [f(s) for s in range(10, 111)]
     assert all(a >= b for a, b in zip(values, values[1:]))
+
+
+def test_bf16_on_a_deepspeed_that_ignores_torch_autocast_is_refused():
+    from fledge.core.errors import ConfigError
+    from fledge.train.engine import MIN_DEEPSPEED, check_deepspeed_version
+
+    with pytest.raises(ConfigError, match=r"DeepSpeed 0\.16\.9: it ignores the torch_autocast section"):
+        check_deepspeed_version("0.16.9", "bf16")
+    check_deepspeed_version("0.16.9", "fp32")
+    check_deepspeed_version(MIN_DEEPSPEED, "bf16")
+    import deepspeed  # the installed one must be new enough: pyproject.toml requires it
+
+    check_deepspeed_version(deepspeed.__version__, "bf16")
+
+
+def test_the_dtype_a_forward_ran_in_is_checked_against_the_request():
+    """The module records the autocast dtype its first forward saw (else the weights'); a request the engine did not
+    carry out (bf16 asked, fp32 ran) is refused naming both."""
+    import torch
+
+    from fledge.core.errors import ConfigError
+    from fledge.models.draft import Eagle3Draft
+    from fledge.train.bench import synthetic_batch, synthetic_head
+    from fledge.train.engine import TTTModule, check_compute_dtype
+    from fledge.train.ttt import TTTConfig
+
+    shape = TrainBenchConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=8, target_hidden_size=48, vocab_size=512, draft_vocab_size=128, seq_len=8)
+    gen = torch.Generator().manual_seed(0)
+    batch = synthetic_batch(shape, gen)
+
+    def module() -> TTTModule:
+        return TTTModule(Eagle3Draft(shape.draft_config(), seed=0), synthetic_head(shape.draft_config(), gen),
+                         TTTConfig(ttt_steps=1))
+
+    plain = module()
+    plain(batch)
+    assert plain.compute_dtype == "float32" and check_compute_dtype(plain, "fp32", "single") == "float32"
+    with pytest.raises(ConfigError, match="train.dtype=bf16 asks for bfloat16, but the deepspeed-zero2 engine's "
+                                          "forward ran in float32"):
+        check_compute_dtype(plain, "bf16", "deepspeed-zero2")
+    autocast = module()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast(batch)
+    assert autocast.compute_dtype == "bfloat16" and check_compute_dtype(autocast, "bf16", "single") == "bfloat16"
+    with pytest.raises(ConfigError, match="ran in bfloat16"):
+        check_compute_dtype(autocast, "fp32", "single")

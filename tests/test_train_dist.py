@@ -14,8 +14,8 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -87,63 +87,45 @@ def test_two_ranks_accumulating_two_micro_batches_match_single_process(cache, si
     assert_matches_single(out, single_accum4)
 
 
-def _count_all_reduces(rank: int, port: int, out: str) -> None:
-    """One rank of test_ddp_all_reduces_on_the_last_micro_batch_only (spawned: a module-level function)."""
-    import torch.distributed as dist
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    from fledge.core.dist import dist_info
-    from fledge.models.draft import Eagle3Draft
-    from fledge.train.bench import TrainBenchConfig, synthetic_batch
-    from fledge.train.config import TrainConfig
-    from fledge.train.engine import EngineConfig, TorchEngine, TTTModule
-    from fledge.train.ttt import TTTConfig
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE="2")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    try:
-        cfg = TrainBenchConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                               head_dim=8, target_hidden_size=48, vocab_size=512, draft_vocab_size=128, seq_len=16)
-        gen = torch.Generator().manual_seed(rank)
-        head = torch.randn(cfg.vocab_size, cfg.target_hidden_size, generator=gen)
-        module = TTTModule(Eagle3Draft(cfg.draft_config(), seed=0), head, TTTConfig(ttt_steps=2))
-        engine = TorchEngine(module, TrainConfig(max_steps=1, grad_accum=2, dtype="fp32", warmup_steps=0),
-                             EngineConfig(kind="ddp"), dist_info(), torch.device("cpu"), 1)
-        buckets: list[int] = []
-
-        def counting(state, bucket):
-            buckets.append(bucket.index())
-            return default_hooks.allreduce_hook(state, bucket)
-
-        engine.wrapped.register_comm_hook(None, counting)
-        after = []
-        for boundary in (False, True):
-            batch = synthetic_batch(cfg, gen)
-            with engine.accumulating(boundary):
-                loss, _ = engine.forward(batch)
-                engine.backward(loss / 2, boundary)
-            after.append(len(buckets))
-        engine.step()
-        Path(out, f"rank-{rank}.json").write_text(json.dumps(after))
-    finally:
-        dist.destroy_process_group()
-
-
 def test_ddp_all_reduces_on_the_last_micro_batch_only(tmp_path):
     """DDP prepares its all-reduce in the forward: with only the backward inside no_sync, every micro-batch would
     be all-reduced (the same result, at grad_accum times the traffic)."""
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_count_all_reduces, args=(port, str(tmp_path)), nprocs=2, join=True)
+    run_worker("count_all_reduces", "ddp", tmp_path, 2)
     for rank in (0, 1):
         first, both = json.loads((tmp_path / f"rank-{rank}.json").read_text())
         assert first == 0, f"rank {rank}: {first} bucket all-reduces inside the accumulation window"
         assert both > 0, f"rank {rank}: no all-reduce on the last micro-batch"
+        # the group waits engine.timeout_minutes (60), not torch's 10, for rank 0's first load of a large verifier
+        assert json.loads((tmp_path / f"timeout-{rank}.json").read_text()) == 3600
+
+
+def run_worker(job: str, kind: str, out: Path, nproc: int) -> subprocess.CompletedProcess:
+    """tests/dist_worker.py under torchrun (or alone for nproc=1); a hang fails at the timeout instead of blocking."""
+    worker = str(Path(__file__).with_name("dist_worker.py"))
+    launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                  f"--nproc_per_node={nproc}"]
+    proc = subprocess.run([*launch, worker, job, kind, str(out)], cwd=REPO, env=cli_env(), capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.parametrize("kind", ["ddp", "zero3"])
+def test_a_rank_with_nothing_counted_runs_the_same_collectives_and_matches_one_process(tmp_path, kind):
+    """Rank 1's micro-batch has no counted position. Its head and norm still run (with weight 0), so DDP's buckets
+    and ZeRO-3's gathers match rank 0's: the step finishes, and equals one process accumulating both micro-batches.
+    (Skipping the head there left rank 1's last bucket unready: DDP hung in the all-reduce.)"""
+    run_worker("empty_rank", "single", tmp_path, 1)
+    run_worker("empty_rank", kind, tmp_path, 2)
+    want = json.loads((tmp_path / "single-rank-0.json").read_text())
+    ranks = [json.loads((tmp_path / f"{kind}-rank-{r}.json").read_text()) for r in (0, 1)]
+    assert [r["losses"][0] for r in ranks] == pytest.approx(want["losses"], rel=1e-6)
+    assert ranks[1]["losses"] == [0.0]
+    assert ranks[0]["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+    got, ref = load_file(str(tmp_path / f"{kind}.safetensors")), load_file(str(tmp_path / "single.safetensors"))
+    assert got.keys() == ref.keys()
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=0, atol=1e-6, msg=k)
 
 
 def test_a_signal_to_one_rank_stops_both_at_the_same_step_and_the_run_resumes(cache, single, tmp_path):
@@ -236,3 +218,23 @@ def test_deepspeed_single_process_with_a_user_json(cache, tmp_path):
     # cosine's start and its end (train.min_lr).
     assert [r["lr"] for r in records] == pytest.approx([1e-2, 1e-2, 3e-5])
     assert records[-1]["loss"] < records[0]["loss"]
+
+
+def test_deepspeed_bf16_runs_in_bf16_and_a_json_that_turns_it_off_is_refused(cache, tmp_path):
+    """The installed DeepSpeed carries train.dtype=bf16 into its forward (recorded from the forward itself, with the
+    engine and versions); a user JSON whose torch_autocast section is off would train in fp32 and is refused."""
+    import deepspeed
+
+    out = tmp_path / "bf16"
+    base = {**COMMON, "train.max_steps": 1, "eval.every": 0, "engine.kind": "deepspeed", "train.dtype": "bf16"}
+    run_cli(train_overrides(cache, out, **base))
+    setup = read_jsonl(out / "metrics.jsonl")[0]
+    assert (setup["engine"], setup["compute_dtype"], setup["world_size"]) == ("deepspeed-zero2", "bfloat16", 1)
+    assert setup["version/deepspeed"] == deepspeed.__version__
+
+    ds_json = tmp_path / "ds.json"
+    ds_json.write_text(json.dumps({"zero_optimization": {"stage": 1}, "torch_autocast": {"enabled": False}}))
+    proc = run_cli(train_overrides(cache, tmp_path / "off", **base, **{"engine.deepspeed_config": ds_json}),
+                   check=False)
+    assert proc.returncode != 0
+    assert "train.dtype=bf16 asks for bfloat16, but the deepspeed-zero1 engine's forward ran in float32" in proc.stderr

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from fledge.core.errors import ConfigError
@@ -64,6 +65,12 @@ def test_run_directory_and_metrics(short_run):
     # Only the draft's own weights are optimised: the verifier's embedding (49152 x 32) is frozen and left out.
     assert setup["params/in_optimizer"] == setup["params/trainable"] > 0
     assert setup["params/frozen"] == 49152 * 32
+    # What ran, beside the config in every checkpoint and in the first record: engine, dtype, world size, versions.
+    runtime = OmegaConf.load(step_dir / "train_config.yaml").runtime
+    assert (runtime.engine, runtime.compute_dtype, runtime.device) == ("single", "float32", "cpu")
+    assert runtime.versions.torch == torch.__version__ and "transformers" in runtime.versions
+    assert (setup["engine"], setup["compute_dtype"], setup["world_size"]) == ("single", "float32", 1)
+    assert setup["version/torch"] == torch.__version__
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval/loss" in r]
     assert [r["step"] for r in train] == [1, 2, 3, 4]

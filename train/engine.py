@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fledge.core.dist import DistInfo, backend_for, dist_info, pick_device
+from fledge.core.dist import TIMEOUT_MINUTES, DistInfo, backend_for, dist_info, pick_device
+from fledge.core.dist import timeout as dist_timeout
 from fledge.core.dist import init_process_group as join_process_group
 from fledge.core.errors import ConfigError
 from fledge.train.config import TrainConfig
@@ -57,12 +58,17 @@ class EngineConfig:
     """'auto' (cuda:LOCAL_RANK when CUDA is available, else cpu), 'cpu', 'cuda', ..."""
     backend: str = "auto"
     """Process-group backend: 'auto' is nccl on CUDA and gloo on CPU."""
+    timeout_minutes: float = TIMEOUT_MINUTES
+    """How long a rank waits in a collective (torch's default, 10, is shorter than rank 0's first load of a large
+    verifier online, which the other ranks wait for in a barrier)."""
 
     def __post_init__(self) -> None:
         if self.kind not in ENGINES:
             raise ConfigError(f"engine.kind must be one of {ENGINES}, got {self.kind!r}")
         if self.zero_stage not in (1, 2, 3):
             raise ConfigError(f"engine.zero_stage must be 1, 2 or 3, got {self.zero_stage}")
+        if not self.timeout_minutes > 0:
+            raise ConfigError(f"engine.timeout_minutes must be positive, got {self.timeout_minutes}")
 
 
 class TTTModule(nn.Module):
@@ -76,11 +82,32 @@ class TTTModule(nn.Module):
         # checkpoints would store a copy of the verifier's head.
         self.verifier_head = verifier_head
         self.ttt = ttt
+        self.compute_dtype: str | None = None
+        """The dtype the first forward really ran its matrix products in (the autocast dtype inside whatever the
+        engine wrapped around it, else the weights'), so that a run records what ran, not what was asked."""
 
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        if self.verifier_head.device != batch["final"].device:
-            self.verifier_head = self.verifier_head.to(batch["final"].device)
+        device = batch["final"].device
+        if self.verifier_head.device != device:
+            self.verifier_head = self.verifier_head.to(device)
+        if self.compute_dtype is None:
+            on = torch.is_autocast_enabled(device.type)
+            dtype = torch.get_autocast_dtype(device.type) if on else self.draft.fc.weight.dtype
+            self.compute_dtype = str(dtype).removeprefix("torch.")
         return ttt_forward(self.draft, batch, self.verifier_head, self.ttt)
+
+
+def check_compute_dtype(module: TTTModule, requested: str, engine: str) -> str:
+    """The dtype the first forward ran in, refused when it is not ``train.dtype`` (an engine that ignored the
+    setting would otherwise train for days in another precision than the run records)."""
+    want = {"bf16": "bfloat16", "fp32": "float32"}[requested]
+    if module.compute_dtype != want:
+        raise ConfigError(
+            f"train.dtype={requested} asks for {want}, but the {engine} engine's forward ran in {module.compute_dtype}",
+            fix=f"for DeepSpeed, install deepspeed>={MIN_DEEPSPEED} (its torch_autocast section carries bf16) and "
+            "keep a user JSON's bf16 / fp16 sections off; or set train.dtype to what should run",
+        )
+    return want
 
 
 @dataclass
@@ -175,7 +202,7 @@ def init_process_group(cfg: EngineConfig) -> tuple[DistInfo, torch.device]:
                 f"launched with WORLD_SIZE={info.world_size} but engine.kind=single",
                 fix="use engine.kind=ddp or engine.kind=deepspeed",
             )
-        return join_process_group(cfg.device, cfg.backend)
+        return join_process_group(cfg.device, cfg.backend, cfg.timeout_minutes)
     device = pick_device(cfg.device, info)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -187,7 +214,8 @@ def init_process_group(cfg: EngineConfig) -> tuple[DistInfo, torch.device]:
     import deepspeed
 
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend=backend_for(device, cfg.backend), verbose=False)
+        deepspeed.init_distributed(dist_backend=backend_for(device, cfg.backend), verbose=False,
+                                   timeout=dist_timeout(cfg.timeout_minutes))
     return info, device
 
 
@@ -306,6 +334,22 @@ class TorchEngine:
         self.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
 
 
+MIN_DEEPSPEED = "0.17.2"
+"""The first DeepSpeed that reads the ``torch_autocast`` section fledge generates; an older one ignores the key and
+trains in fp32 (pyproject.toml requires at least this one)."""
+
+
+def check_deepspeed_version(version: str, dtype: str) -> None:
+    """Refuse bf16 on a DeepSpeed that would silently run it in fp32, before anything loads."""
+    from packaging.version import Version
+
+    if dtype == "bf16" and Version(version) < Version(MIN_DEEPSPEED):
+        raise ConfigError(
+            f"train.dtype=bf16 with DeepSpeed {version}: it ignores the torch_autocast section and would train in fp32",
+            fix=f"pip install 'deepspeed>={MIN_DEEPSPEED}', or train.dtype=fp32",
+        )
+
+
 def deepspeed_config(train: TrainConfig, cfg: EngineConfig, world_size: int) -> dict[str, Any]:
     """The DeepSpeed JSON generated from the typed config, or the user's JSON checked against it."""
     generated: dict[str, Any] = {
@@ -361,6 +405,7 @@ class DeepSpeedEngine:
             client_scheduler = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule)  # noqa: E731
         if "scheduler" in self.ds_config:
             client_scheduler = None
+        check_deepspeed_version(deepspeed.__version__, train.dtype)
         params = [p for p in module.parameters() if p.requires_grad]
         self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=module.to(device),

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from fledge.core.config import fields_of
-from fledge.core.dist import DistInfo, all_reduce_sum, barrier
+from fledge.core.dist import DistInfo, all_reduce_sum, barrier, cleanup
 from fledge.core.errors import ConfigError, MismatchError
 from fledge.data.cache import CacheConfig, CacheReader
 from fledge.data.online import FirstEpochSource, OnlineSource, TrainDataConfig
@@ -47,10 +47,12 @@ from fledge.train.checkpoint import (
 )
 from fledge.train.config import HeldOutConfig, TrainConfig
 from fledge.train.engine import (
+    DeepSpeedEngine,
     Engine,
     EngineConfig,
     TTTModule,
     build_engine,
+    check_compute_dtype,
     choose_train_dtype,
     init_process_group,
 )
@@ -133,11 +135,26 @@ class CacheBinding:
 
 
 @dataclass
+class RuntimeBinding:
+    """What really runs: the engine, the compute dtype (checked against the first forward) and the versions."""
+
+    engine: str
+    """single, ddp, or deepspeed-zero<stage>."""
+    compute_dtype: str
+    """bfloat16 or float32: ``train.dtype`` once ``auto`` is settled; the first step refuses to go on when the
+    forward ran in another."""
+    device: str
+    versions: dict[str, str]
+    """torch, transformers and (when it trains) deepspeed."""
+
+
+@dataclass
 class RunBinding:
     """What a run is bound to besides its config; saved beside it in every checkpoint."""
 
     world_size: int
     cache: CacheBinding
+    runtime: RuntimeBinding
 
 
 _job, _run = fields_of(TrainJobConfig), fields_of(RunBinding)
@@ -175,7 +192,24 @@ class TrainResult:
 
 
 def run(cfg: TrainJobConfig) -> TrainResult:
+    """Train, then leave the process group in order (``core.dist.cleanup``) — also when preempted, since every
+    rank stops at the same step; after an error each rank leaves at once, and the launcher stops the others."""
     info, device = init_process_group(cfg.engine)
+    try:
+        result = train(cfg, info, device)
+    except Preempted as stop:
+        stop.__traceback__ = None  # its frames hold the engine: let the collection before teardown free it
+        cleanup()
+        raise stop
+    except BaseException:
+        cleanup(in_step=False)
+        raise
+    cleanup()
+    return result
+
+
+def train(cfg: TrainJobConfig, info: DistInfo, device: torch.device) -> TrainResult:
+    """The run: data, draft and engine, resume, the loop, the final draft."""
     seed_everything(cfg.train.seed)
     output_dir = Path(cfg.output_dir)
     ckpt_dir = cfg.checkpoint_dir
@@ -192,14 +226,15 @@ def run(cfg: TrainJobConfig) -> TrainResult:
     # dtype=auto is settled here, once, by timing the draft's widest product (its head) on this machine.
     head_shape = (512, draft.config.hidden_size, draft.config.draft_vocab_size)
     train_cfg = dataclasses.replace(cfg.train, dtype=choose_train_dtype(cfg.train.dtype, device, head_shape))
-    engine = build_engine(TTTModule(draft, verifier_head, cfg.ttt), train_cfg, cfg.engine, info, device, total_steps)
+    module = TTTModule(draft, verifier_head, cfg.ttt)
+    engine = build_engine(module, train_cfg, cfg.engine, info, device, total_steps)
     eval_set = sampler.eval_batches(
         eval_reader.lengths() if eval_reader else [], eval_ids, cfg.train.micro_batch_size, cfg.train.max_tokens,
         info.rank, info.world_size,
     )
     if cfg.eval.max_batches:
         eval_set = eval_set[: cfg.eval.max_batches]
-    resolved = resolved_config(cfg, reader, info.world_size)
+    resolved = resolved_config(cfg, reader, info.world_size, runtime_binding(engine, train_cfg, device))
     resolved["train"]["dtype"] = train_cfg.dtype  # what ran, not "auto"
     meta = draft_meta(reader, cfg)
 
@@ -220,16 +255,19 @@ def run(cfg: TrainJobConfig) -> TrainResult:
     # ds_numel: ZeRO-3 leaves each rank's parameter tensors empty and records their full size there.
     numel = {p: getattr(p, "ds_numel", p.numel()) for p in draft.parameters()}
     trainable = sum(n for p, n in numel.items() if p.requires_grad)
+    runtime = resolved["runtime"]
     logger.log(
         {"params/trainable": trainable, "params/in_optimizer": engine.optimizer_numel(),
-         "params/frozen": sum(numel.values()) - trainable, "total_steps": total_steps},
+         "params/frozen": sum(numel.values()) - trainable, "total_steps": total_steps,
+         "world_size": info.world_size, "engine": runtime["engine"], "compute_dtype": runtime["compute_dtype"],
+         **{f"version/{k}": v for k, v in runtime["versions"].items()}},
         state.step,
     )
     window = MetricWindow(device)
     last: dict[str, float] = {}
     last_eval: dict[str, float] = {}
     window_start = loop_start = time.perf_counter()
-    preempted = False
+    preempted = checked_dtype = False
 
     # ---- the loop
     # From here SIGTERM / SIGUSR1 only raise a flag (train/stopping.py): the run stops at the next step boundary.
@@ -257,6 +295,8 @@ def run(cfg: TrainJobConfig) -> TrainResult:
                 # Metrics add up on the device, tokens on the host: no host sync per micro-batch.
                 window.add(metrics, tokens=int(bucket_sampler.lengths[indices].sum()))
             result = engine.step()  # clip, skip if the gradient is not finite (one host sync), AdamW, LR schedule
+            if not checked_dtype:  # what the forward ran in, against what the run records
+                checked_dtype = check_compute_dtype(module, train_cfg.dtype, runtime["engine"])
             state.step += 1
             state.epoch, state.batch = position.epoch, position.batch
             state.skipped_steps += 0 if result.applied else 1
@@ -326,7 +366,7 @@ def open_training_data(cfg: TrainJobConfig, info: DistInfo, device: torch.device
     """The cache at ``cfg.cache_dir``, or with ``data.mode=online`` the verifier on ``device`` over the source (and
     with ``cache_first_epoch`` that too, unless the cache at ``cfg.cache_dir`` is complete)."""
     if cfg.data.mode == "online":
-        return OnlineSource.open(cfg.verifier, cfg.data, cfg.cache, info, device)
+        return OnlineSource.open(cfg.verifier, cfg.data, cfg.cache, info, device, cfg.cache_dir)
     if cfg.data.mode == "cache_first_epoch":
         return FirstEpochSource.open_or_cache(cfg.verifier, cfg.data, cfg.cache, cfg.cache_dir, info, device)
     return CacheReader(cfg.cache_dir)
@@ -404,9 +444,26 @@ def build_draft(reader: TrainingData, train: TrainConfig) -> tuple[Eagle3Draft, 
     return draft, head.float().contiguous()
 
 
-def resolved_config(cfg: TrainJobConfig, reader: TrainingData, world_size: int) -> dict[str, Any]:
-    """The config as a plain dict plus what the run is bound to (``RunBinding``: world size, the cache's identity),
-    as checkpoints save it and a resume compares it."""
+def runtime_binding(engine: Engine, train: TrainConfig, device: torch.device) -> RuntimeBinding:
+    import transformers
+
+    versions = {"torch": str(torch.__version__), "transformers": str(transformers.__version__)}
+    if isinstance(engine, DeepSpeedEngine):
+        import deepspeed
+
+        versions["deepspeed"] = str(deepspeed.__version__)
+        kind = f"deepspeed-zero{engine.zero_stage}"  # the stage DeepSpeed runs (a user JSON may set it)
+    else:
+        kind = "ddp" if engine.ddp else "single"
+    dtype = {"bf16": "bfloat16", "fp32": "float32"}[train.dtype]
+    return RuntimeBinding(engine=kind, compute_dtype=dtype, device=str(device), versions=versions)
+
+
+def resolved_config(
+    cfg: TrainJobConfig, reader: TrainingData, world_size: int, runtime: RuntimeBinding
+) -> dict[str, Any]:
+    """The config as a plain dict plus what the run is bound to (``RunBinding``: world size, the cache's identity,
+    the engine, dtype and versions that run), as checkpoints save it and a resume compares it."""
     from omegaconf import OmegaConf
 
     m = reader.manifest
@@ -418,6 +475,7 @@ def resolved_config(cfg: TrainJobConfig, reader: TrainingData, world_size: int) 
             num_tokens=m.get("num_tokens"),
             verifier_fingerprint=m["verifier"]["fingerprint"],
         ),
+        runtime=runtime,
     )
     return {**OmegaConf.to_container(OmegaConf.structured(cfg)), **asdict(binding)}
 

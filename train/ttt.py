@@ -145,8 +145,10 @@ def ttt_forward(
         if k == 0:
             metrics["tokens"] = zero + rows.numel()
         if rows.numel() == 0:
-            # Keep the graph connected so that backward() works on a batch with nothing to learn.
-            ploss = hidden.sum().float() * 0.0
+            # Nothing counted here, but every rank must run the same modules every step: skipping the head and norm
+            # on one rank would leave its DDP buckets unready and its ZeRO-3 all-gathers unmatched by the others'
+            # (a hang). One row goes through them with weight 0: zero gradients, the same collectives everywhere.
+            ploss = draft.logits(hidden[:1, 0]).float().sum() * 0.0
             metrics[f"ploss_{k}"], metrics[f"acc_{k}"] = zero, zero
         else:
             # Only counted positions go through lm_head: it is the widest matrix product of the unroll.
