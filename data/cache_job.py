@@ -91,6 +91,18 @@ def _config_hash(cfg: CacheJobConfig, fingerprint: str) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _why_none_usable(stats: dict[str, int], data: DataConfig) -> str:
+    """What tokenisation did to the conversations the source kept, for a refusal that has none left."""
+    why = []
+    if stats.get("dropped_no_mask"):
+        cut = f" (the first is {stats['first_cut_length']:,} tokens long)" if "first_cut_length" in stats else ""
+        why.append(f"{stats['dropped_no_mask']:,} had no assistant token within data.max_length={data.max_length}"
+                   f"{cut}")
+    if stats.get("template_errors"):
+        why.append(f"{stats['template_errors']:,} refused by the chat template")
+    return ": " + "; ".join(why) if why else ""
+
+
 def prepare(cfg: CacheJobConfig, info: DistInfo, device: torch.device) -> Prepared:
     verifier = load_verifier(cfg.verifier, device)
     conversations, report = load_conversations(cfg.data)
@@ -105,7 +117,7 @@ def prepare(cfg: CacheJobConfig, info: DistInfo, device: torch.device) -> Prepar
     )
     if not samples:
         raise CacheError(
-            f"no usable conversation in {cfg.data.source!r} ({report.summary()})",
+            f"no usable conversation in {cfg.data.source!r} ({report.summary()}){_why_none_usable(stats, cfg.data)}",
             fix="check data.source and data.max_length",
         )
     vocab_size = int(verifier.model.config.vocab_size)

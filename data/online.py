@@ -31,9 +31,10 @@ A run that ends inside its first epoch leaves the cache unfinished, with its pen
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fledge.core.dist import DistInfo, barrier
-from fledge.core.errors import ConfigError
+from fledge.core.errors import ConfigError, MismatchError
 from fledge.core.files import atomic_write
 from fledge.data.cache import CacheConfig, CacheReader, complete_shard, remove_stale_temporaries, write_shard
 from fledge.data.cache_job import (
@@ -57,7 +58,7 @@ from fledge.data.cache_job import (
 )
 from fledge.data.sources import DataConfig
 from fledge.data.vocab import save_draft_vocab
-from fledge.models.verifier import VerifierConfig, parse_dtype, resolve_verifier_dir
+from fledge.models.verifier import VerifierConfig, parse_dtype, resolve_verifier_dir, weight_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,46 @@ class TrainDataConfig(DataConfig):
         return DataConfig(**{f.name: getattr(self, f.name) for f in fields(DataConfig)})
 
 
+def refuse_another_job(verifier: VerifierConfig, data: TrainDataConfig, cache_dir: str | Path) -> None:
+    """Before any weight loads: online training must run the verifier that wrote the data's answers (a ``fledge
+    regenerate`` output names it in its manifest.json) and, when ``cache_dir`` holds a cache (the preset's, or one
+    a first epoch wrote), that cache's verifier on that cache's data. Otherwise the run would train a draft for
+    another model, or on other conversations than the cache it claims, and show it only at evaluation."""
+    fingerprint = weight_fingerprint(resolve_verifier_dir(verifier))  # sampled windows: cheap at any size
+    source = Path(data.source)
+    answers = source.parent / "manifest.json"
+    if source.is_file() and answers.is_file():
+        record = json.loads(answers.read_text())
+        if record.get("verifier_fingerprint") not in (None, fingerprint):
+            raise MismatchError(
+                f"data.source={source} holds the answers of {record.get('verifier')}, but "
+                f"verifier.name_or_path={verifier.name_or_path} is another model (weights {fingerprint[:12]} != "
+                f"{record['verifier_fingerprint'][:12]})",
+                fix=f"train with verifier.name_or_path={record.get('verifier')}, or regenerate the answers with this "
+                "verifier (fledge regenerate)",
+            )
+    manifest_path = Path(cache_dir) / "manifest.json"
+    if not manifest_path.is_file():
+        return
+    cached = json.loads(manifest_path.read_text())
+    if cached["verifier"]["fingerprint"] != fingerprint:
+        raise MismatchError(
+            f"cache_dir={cache_dir} was cached from {cached['verifier']['name']}, but data.mode={data.mode} would run "
+            f"verifier.name_or_path={verifier.name_or_path} (weights {fingerprint[:12]} != "
+            f"{cached['verifier']['fingerprint'][:12]})",
+            fix=f"verifier.name_or_path={cached['verifier']['name']}, or another cache_dir for this verifier",
+        )
+    recorded = cached["source"]["config"]
+    current = asdict(data.source_config())
+    differ = [f"data.{k}: the cache has {recorded[k]!r}, this run {current[k]!r}"
+              for k in sorted(current) if k in recorded and recorded[k] != current[k]]
+    if differ:
+        raise MismatchError(
+            f"cache_dir={cache_dir} holds other data than data.mode={data.mode} would train on:\n  " + "\n  ".join(differ),
+            fix="give the cache's data settings, or another cache_dir",
+        )
+
+
 class OnlineSource:
     """A ``CacheReader`` whose rows the verifier computes on demand (see the module docstring).
 
@@ -114,12 +155,14 @@ class OnlineSource:
 
     @classmethod
     def open(cls, verifier: VerifierConfig, data: TrainDataConfig, cache: CacheConfig, info: DistInfo,
-             device: torch.device) -> OnlineSource:
-        """Load the verifier onto ``device`` and tokenise the source, as ``fledge cache`` does on every rank."""
+             device: torch.device, cache_dir: str | Path) -> OnlineSource:
+        """Load the verifier onto ``device`` and tokenise the source, as ``fledge cache`` does on every rank (once
+        ``refuse_another_job`` has found the verifier and the data to be those of the data and of ``cache_dir``)."""
         job = CacheJobConfig(verifier=verifier, data=data.source_config(), cache=cache)
         if info.is_main:
             resolve_verifier_dir(verifier)  # convert a GGUF once, before the other ranks look for it
         barrier()
+        refuse_another_job(verifier, data, cache_dir)  # every rank: the same answer everywhere, and no rank waits
         source = cls(prepare(job, info, device), job)
         if info.is_main:
             m = source.manifest
@@ -185,6 +228,7 @@ class FirstEpochSource(OnlineSource):
         if info.is_main:
             resolve_verifier_dir(verifier)  # convert a GGUF once, before the other ranks look for it
         barrier()
+        refuse_another_job(verifier, data, cache_dir)
         if already_complete(Path(cache_dir), job):
             return CacheReader(cache_dir)
         source = cls(prepare(job, info, device), job, info)

@@ -359,6 +359,9 @@ def tokenize_all(
         masked = sum(tok.loss_mask)
         if masked == 0:
             stats["dropped_no_mask"] += 1
+            if tok.truncated and "first_cut_length" not in stats:  # what a refusal of all of them has to say
+                full = render(tokenizer, conversation, False, kwargs)
+                stats["first_cut_length"] = len(tokenizer(full, add_special_tokens=False)["input_ids"])
             continue
         if len(out) < verify:
             check_loss_mask(tokenizer, conversation, tok, eot)

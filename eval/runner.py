@@ -12,7 +12,7 @@ import dataclasses
 import json
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,9 @@ METHODS = ("chain", "tree", "both")
 
 @dataclass
 class EvalConfig:
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Passed to the verifier's chat template with each prompt: the training data's (``data.chat_template_kwargs``;
+    the qwen3-8b preset turns thinking off), so that the draft is measured on the kind of text it learned."""
     method: str = "chain"
     """How drafts are verified: ``chain`` (N drafts in a row), ``tree`` (EAGLE-2 dynamic tree) or ``both`` (each
     drafter that grows trees runs twice, as a chain under its name and as a tree under ``<name>-tree``, interleaved
@@ -143,10 +146,12 @@ class EvalConfig:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
 
 
-def encode_prompt(tokenizer, prompt: dict) -> torch.Tensor:
-    """The first turn as a user message in the verifier's chat template, ready for the assistant's answer."""
+def encode_prompt(tokenizer, prompt: dict, template_kwargs: dict[str, Any] | None = None) -> torch.Tensor:
+    """The first turn as a user message in the verifier's chat template, ready for the assistant's answer
+    (``template_kwargs``: the training data's, e.g. Qwen3's ``enable_thinking=False``)."""
     text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt["turns"][0]}], add_generation_prompt=True, tokenize=False
+        [{"role": "user", "content": prompt["turns"][0]}], add_generation_prompt=True, tokenize=False,
+        **(template_kwargs or {}),
     )
     return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
 
@@ -257,7 +262,8 @@ def evaluate(
     aux_ids = next((d.aux_layer_ids for _, d in named if d.needs_aux), None)
     batched = cfg.batch_sizes() != [1]
     for set_name, set_prompts in sets.items():
-        encoded = [(p["id"], encode_prompt(verifier.tokenizer, p)) for p in set_prompts[: cfg.max_prompts]]
+        encoded = [(p["id"], encode_prompt(verifier.tokenizer, p, cfg.chat_template_kwargs))
+                   for p in set_prompts[: cfg.max_prompts]]
         if not encoded:
             raise ConfigError(f"prompt set {set_name!r} is empty", fix="check prompts and eval.max_prompts")
         if batched:

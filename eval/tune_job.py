@@ -60,6 +60,8 @@ class TuneJobConfig:
     """Prompt sources (as in ``fledge eval``); their prompts are pooled, the first ``max_prompts`` used."""
     max_prompts: int = 8
     max_new_tokens: int = 64
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """As ``eval.chat_template_kwargs``: the training data's chat-template settings, with each prompt."""
     n_max: int = 8
     """The chain length of the measurement run: α is measured at depths 1..n_max, chains up to it predicted."""
     tree_shapes: list[TreeCandidateConfig] = field(default_factory=lambda: [
@@ -108,7 +110,8 @@ class TuneJobConfig:
 
 def _eval_config(cfg: TuneJobConfig, out: str | None, **shape: Any) -> EvalConfig:
     return EvalConfig(max_new_tokens=cfg.max_new_tokens, max_prompts=cfg.max_prompts,
-                      warmup_tokens=cfg.warmup_tokens, out_dir=out, **shape)
+                      warmup_tokens=cfg.warmup_tokens, chat_template_kwargs=dict(cfg.chat_template_kwargs), out_dir=out,
+                      **shape)
 
 
 def _shape_kwargs(choice: Candidate) -> dict[str, Any]:
@@ -177,7 +180,7 @@ def run(cfg: TuneJobConfig) -> dict[str, Any]:
 
     # 2. v(k) on a real prompt's KV cache, for every k a candidate verifies.
     shapes = cfg.shapes()
-    prompt_ids = encode_prompt(verifier.tokenizer, prompts[0])
+    prompt_ids = encode_prompt(verifier.tokenizer, prompts[0], cfg.chat_template_kwargs)
     ks = list(range(1, cfg.n_max + 2)) + [s.total_tokens + 1 for s in shapes]
     verify_steps = measure_verify_cost(verifier.model, prompt_ids, ks, drafter.aux_layer_ids, cfg.verify_repeats)
     bare = CostModel(verify_steps=verify_steps, draft_step=entry["cost_ratio"])
@@ -199,7 +202,7 @@ def run(cfg: TuneJobConfig) -> dict[str, Any]:
         lookup = PromptLookupDrafter.matching(cfg.hybrid_min_ngram, cfg.prompt_lookup_max_ngram, store)
         branch = max([cfg.lookup_tokens, cfg.n_max] + [s.depth for s in shapes])
         positions = hybrid_positions(entry["topk_rounds"],
-                                     [encode_prompt(verifier.tokenizer, p) for p in prompts], lookup, branch)
+                                     [encode_prompt(verifier.tokenizer, p, cfg.chat_template_kwargs) for p in prompts], lookup, branch)
         options += [hybrid_chain_candidate(positions, n, cost) for n in range(1, cfg.n_max + 1)]
         options += [hybrid_tree_candidate(positions, shape, max(shape.depth, cfg.lookup_tokens), cost, c_tree)
                     for shape, c_tree in trees]

@@ -101,3 +101,18 @@ def test_the_quickstart_reports_a_bad_stage_list_on_one_line(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["fledge quickstart: error: quickstart.stages: unknown ['trian']; choose from "
                    "['regenerate', 'cache', 'train', 'eval', 'export']"]
+
+
+def test_a_source_whose_only_conversation_is_too_long_says_its_length_and_the_limit(tmp_path, tiny_verifier_dir):
+    from fledge.data.cache import CacheError
+
+    long = tmp_path / "long.jsonl"
+    long.write_text('{"conversations": [{"from": "human", "value": "' + "tell me more " * 40 + '"}, '
+                    '{"from": "gpt", "value": "no"}]}\n')
+    with pytest.raises(CacheError) as e:
+        run_stage("cache", [f"verifier.name_or_path={tiny_verifier_dir}", f"data.source={long}", "data.max_length=32",
+                            f"cache.dir={tmp_path / 'cache'}", "cache.device=cpu"])
+    message = str(e.value)
+    assert "kept 1 conversations" in message
+    length = int(message.split("(the first is ")[1].split(" tokens long)")[0].replace(",", ""))
+    assert "1 had no assistant token within data.max_length=32 (the first is" in message and length > 100

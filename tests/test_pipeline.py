@@ -27,41 +27,63 @@ def test_every_shipped_config_composes(name):
 
 
 PRESETS = sorted(p.stem for p in (CONF_DIR / "preset").glob("*.yaml") if p.stem != "none")
-PRESET_STAGES = sorted(p.name for p in (CONF_DIR / "preset").iterdir() if p.is_dir())
+PRESET_STAGES = ["cache", "eval", "export", "regenerate", "train", "tune"]
+PRESET_PARTS = ["data", "states", "verifier"]
+"""The job's parts, each defined once per preset and composed into the stages that read it."""
+DATA_STAGES = ["cache", "train", "plan"]
 
 
 def test_presets_cover_the_real_jobs():
     assert PRESETS == ["llama3.1-8b-instruct", "llama3.3-70b-instruct", "qwen3-8b"]
-    assert PRESET_STAGES == ["cache", "eval", "export", "regenerate", "train", "tune"]
+    assert sorted(p.name for p in (CONF_DIR / "preset").iterdir() if p.is_dir()) == sorted(PRESET_STAGES + PRESET_PARTS)
+    for folder in PRESET_STAGES + PRESET_PARTS:
+        assert sorted(p.stem for p in (CONF_DIR / "preset" / folder).glob("*.yaml")) == PRESETS
+    # Defined once: no stage file restates the verifier, and only regenerate names its own data source.
     for stage in PRESET_STAGES:
-        assert sorted(p.stem for p in (CONF_DIR / "preset" / stage).glob("*.yaml")) == PRESETS
+        for preset in PRESETS:
+            text = (CONF_DIR / "preset" / stage / f"{preset}.yaml").read_text()
+            assert "name_or_path" not in text and "max_length" not in text, f"preset/{stage}/{preset}.yaml"
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-def test_every_preset_composes_for_every_stage_with_the_published_hyperparameters(preset, monkeypatch):
+def test_every_stage_of_a_preset_names_the_same_job(preset, monkeypatch):
+    """Every stage, training (online or from the cache) included, composes the preset's verifier, data, template
+    settings, lengths and draft vocabulary: a training stage that left one out would train another model."""
     monkeypatch.setenv("FLEDGE_RUNS", "/shared/runs")
-    cfg = {stage: compose_config(stage, [f"preset={preset}"]) for stage in PRESET_STAGES}
+    cfg = {stage: compose_config(stage, [f"preset={preset}"]) for stage in PRESET_STAGES + ["plan"]}
     model = {"llama3.1-8b-instruct": "meta-llama/Llama-3.1-8B-Instruct", "qwen3-8b": "Qwen/Qwen3-8B",
              "llama3.3-70b-instruct": "meta-llama/Llama-3.3-70B-Instruct"}[preset]
-    for stage in ("regenerate", "cache", "eval", "tune"):
-        assert cfg[stage].verifier.name_or_path == model
-        assert cfg[stage].verifier.device_map == ("auto" if "70b" in preset else None)
+    for stage in ("regenerate", "cache", "train", "plan", "eval", "tune"):
+        assert cfg[stage].verifier.name_or_path == model, stage
+        assert cfg[stage].verifier.device_map == ("auto" if "70b" in preset else None), stage
+        assert cfg[stage].verifier.dtype == "auto", stage
     max_length = 2048 if preset == "qwen3-8b" else 4096
-    assert cfg["regenerate"].data.max_length == cfg["cache"].data.max_length == max_length
+    thinking = {"enable_thinking": False} if "qwen3" in preset else {}
+    root = f"/shared/runs/{preset}"
+    for stage in DATA_STAGES:
+        data = cfg[stage].data
+        assert (data.source, data.max_length, data.max_conversations) == (
+            f"{root}/regen/conversations.jsonl", max_length, None), stage
+        assert data.chat_template_kwargs == thinking, stage
+        assert (cfg[stage].cache.draft_vocab_size, cfg[stage].cache.storage_dtype) == (32000, "bfloat16"), stage
+    # regenerate answers the prompts (ShareGPT) with the same template and length; eval and tune prompt the same way
+    regen = cfg["regenerate"].data
+    assert (regen.source, regen.max_length, regen.chat_template_kwargs) == ("sharegpt", max_length, thinking)
+    assert cfg["eval"].eval.chat_template_kwargs == cfg["tune"].chat_template_kwargs == thinking
     train = cfg["train"]
     assert (train.train.lr, train.train.epochs, train.train.micro_batch_size, train.ttt.ttt_steps) == (1e-4, 10, 1, 7)
     assert train.engine.kind == "deepspeed"
     assert train.engine.zero_stage == (3 if "70b" in preset else 2)
-    assert train.train.dtype == "bf16" and cfg["cache"].cache.draft_vocab_size == 32000
-    thinking = cfg["cache"].data.chat_template_kwargs
-    assert thinking == cfg["regenerate"].data.chat_template_kwargs == ({"enable_thinking": False} if "qwen3" in preset else {})
+    assert train.train.dtype == "bf16"
     # the stages hand their outputs on: regenerate -> cache -> train -> eval -> export, all under $FLEDGE_RUNS
-    root = f"/shared/runs/{preset}"
     assert cfg["regenerate"].regenerate.out_dir == f"{root}/regen"
-    assert cfg["cache"].data.source == f"{root}/regen/conversations.jsonl"
     assert train.cache_dir == cfg["cache"].cache.dir == f"{root}/cache"
     assert cfg["eval"].draft == cfg["tune"].draft == cfg["export"].checkpoint == train.output_dir == f"{root}/train"
     assert cfg["export"].report == f"{cfg['eval'].eval.out_dir}/report.json"
+    # online training of a preset is the same job as its cache
+    online = compose_config("train", [f"preset={preset}", "data.mode=online"])
+    assert (online.verifier.name_or_path, online.data.source, online.data.max_length) == (
+        model, f"{root}/regen/conversations.jsonl", max_length)
     # a command-line override still wins over the preset
     assert compose_config("train", [f"preset={preset}", "train.lr=3e-5"]).train.lr == 3e-5
 

@@ -86,7 +86,7 @@ def open_online(setup: dict[str, Path]) -> OnlineSource:
         VerifierConfig(name_or_path=str(setup["verifier"]), dtype="float32"),
         TrainDataConfig(source=str(setup["source"]), max_conversations=None, max_length=256, mode="online"),
         CacheConfig(draft_vocab_size=64, storage_dtype="float32", batch_tokens=512),
-        DistInfo(), torch.device("cpu"),
+        DistInfo(), torch.device("cpu"), setup["cache"],  # the cache of the same job: refuse_another_job passes
     )
 
 
@@ -189,12 +189,48 @@ def test_a_tokenizer_that_does_not_fit_the_verifier_is_refused_online_as_by_the_
     errors = []
     for stage, extra in (("cache", {"cache.dir": tmp_path / "cache", "cache.device": "cpu"}),
                          ("train", {"data.mode": "online", "output_dir": tmp_path / "run", "log.wandb_mode": "disabled",
-                                    "train.dtype": "fp32", "engine.device": "cpu"})):
+                                    "train.dtype": "fp32", "engine.device": "cpu", "cache_dir": tmp_path / "none"})):
         with pytest.raises(MismatchError, match="the tokenizer does not fit the verifier") as e:
             run_stage(stage, [f"{k}={v}" for k, v in {**common, **extra}.items()])
         errors.append((str(e.value), e.value.fix))
     assert errors[0] == errors[1] and "outside the verifier vocabulary of 1000" in errors[0][0]
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+
+
+@pytest.mark.parametrize("mode", ["online", "cache_first_epoch"])
+def test_online_training_against_another_verifier_or_data_than_the_cache_is_refused_before_any_weight_loads(
+    setup, tiny_verifier_dir, tmp_path, monkeypatch, mode
+):
+    import fledge.data.cache_job as cache_job
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the verifier's weights were loaded before the refusal")
+
+    monkeypatch.setattr(cache_job, "load_verifier", no_load)
+
+    def train(**overrides) -> str:
+        args = {**SHARED, **RUN, "data.mode": mode, "data.source": setup["source"], "cache_dir": setup["cache"],
+                "verifier.name_or_path": setup["verifier"], "output_dir": tmp_path / "run", "log.wandb_mode": "disabled",
+                "engine.device": "cpu", **overrides}
+        with pytest.raises(MismatchError) as e:
+            run_stage("train", [f"{k}={v}" for k, v in args.items()])
+        return str(e.value)
+
+    other = train(**{"verifier.name_or_path": tiny_verifier_dir})
+    assert f"cache_dir={setup['cache']} was cached from {setup['verifier']}" in other
+    assert f"would run verifier.name_or_path={tiny_verifier_dir}" in other
+    shorter = train(**{"data.max_length": 128})
+    assert "holds other data" in shorter and "data.max_length: the cache has 256, this run 128" in shorter
+    # The data's own verifier: a regenerate output names the model that wrote its answers.
+    regen = tmp_path / "regen"
+    regen.mkdir()
+    (regen / "conversations.jsonl").write_text(setup["source"].read_text())
+    (regen / "manifest.json").write_text(json.dumps({"verifier": "meta-llama/Llama-3.1-8B-Instruct",
+                                                     "verifier_fingerprint": "0" * 64}))
+    answers = train(**{"data.source": regen / "conversations.jsonl", "cache_dir": tmp_path / "no-cache"})
+    assert f"holds the answers of meta-llama/Llama-3.1-8B-Instruct, but verifier.name_or_path={setup['verifier']}" \
+        in answers
+    assert not (tmp_path / "run").exists() and not (tmp_path / "no-cache").exists()
 
 
 def test_a_misspelt_mode_is_refused():
