@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.fledge-installed
 
-.PHONY: setup quickstart test test-fast bench shipped-data clean
+.PHONY: setup quickstart test test-fast test-repeat bench shipped-data clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -40,3 +40,9 @@ shipped-data: $(STAMP)
 
 clean:
 	rm -rf runs outputs wandb
+
+# The multi-process and kill/resume files N times in a row (default 5): a flaky collective shows here, not in CI.
+N ?= 5
+test-repeat: $(STAMP)
+	for i in $$(seq 1 $(N)); do echo "== repeat $$i of $(N)"; \
+	  $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_train_dist.py tests/test_train_preempt.py tests/test_train_resume.py || exit 1; done
