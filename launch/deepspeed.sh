@@ -10,6 +10,8 @@
 # 29500), PYTHON (default: the repo's .venv, else python3). With a hostfile, FLEDGE_*, WANDB_*, HF_* and
 # TRANSFORMERS_* variables reach every host.
 set -euo pipefail
+# Sequence lengths vary per step: expandable segments keep the CUDA allocator from fragmenting (ignored on CPU).
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 
 if [[ $# -lt 1 || ! "$1" =~ ^[0-9]+$ ]]; then
   sed -n '2,10p' "$0" >&2

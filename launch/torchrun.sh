@@ -10,6 +10,8 @@
 # rendezvous, multi-node only), PYTHON (default: the repo's .venv, else python3). On CPU-only machines the
 # processes use gloo; set OMP_NUM_THREADS to the cores per process.
 set -euo pipefail
+# Sequence lengths vary per step: expandable segments keep the CUDA allocator from fragmenting (ignored on CPU).
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 
 if [[ $# -lt 1 || ! "$1" =~ ^[0-9]+$ ]]; then
   sed -n '2,10p' "$0" >&2

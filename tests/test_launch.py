@@ -105,3 +105,9 @@ def test_deepspeed_launcher_with_a_hostfile_hands_fledge_variables_to_every_host
     assert lines[0] == (f"--no_local_rank --master_port 29500 --hostfile {hostfile} --num_gpus 8 --module fledge.launch.cli "
                         "train engine.kind=deepspeed preset=llama3.3-70b-instruct")
     assert "FLEDGE_RUNS=/shared/runs" in lines[1:] and "WANDB_MODE=online" in lines[1:]
+
+
+def test_the_launchers_ask_for_expandable_cuda_segments_unless_the_user_set_it():
+    for name in ("torchrun.sh", "deepspeed.sh", "slurm.sbatch"):
+        text = (REPO / "launch" / name).read_text()
+        assert "export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}" in text, name
