@@ -17,8 +17,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from fledge.core.errors import ConfigError
-
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -64,13 +62,6 @@ rank 0's first load of a large verifier (a download, a GGUF conversion) while th
 barrier; a real hang still ends, with the launcher's error, within the hour."""
 
 
-def timeout(minutes: float) -> timedelta:
-    if not minutes > 0:
-        raise ConfigError(f"a process-group timeout must be positive, got {minutes} minutes",
-                          fix="engine.timeout_minutes=60 (the default), or longer for very slow first loads")
-    return timedelta(minutes=minutes)
-
-
 def init_process_group(
     device: str = "auto", backend: str = "auto", timeout_minutes: float = TIMEOUT_MINUTES
 ) -> tuple[DistInfo, torch.device]:
@@ -80,7 +71,7 @@ def init_process_group(
     if where.type == "cuda":
         torch.cuda.set_device(where)
     if info.distributed and not dist.is_initialized():
-        dist.init_process_group(backend=backend_for(where, backend), timeout=timeout(timeout_minutes))
+        dist.init_process_group(backend=backend_for(where, backend), timeout=timedelta(minutes=timeout_minutes))
     return info, where
 
 

@@ -201,8 +201,8 @@ def run(cfg: TuneJobConfig) -> dict[str, Any]:
                  if cfg.hybrid_datastore is not None else None)
         lookup = PromptLookupDrafter.matching(cfg.hybrid_min_ngram, cfg.prompt_lookup_max_ngram, store)
         branch = max([cfg.lookup_tokens, cfg.n_max] + [s.depth for s in shapes])
-        positions = hybrid_positions(entry["topk_rounds"],
-                                     [encode_prompt(verifier.tokenizer, p, cfg.chat_template_kwargs) for p in prompts], lookup, branch)
+        encoded = [encode_prompt(verifier.tokenizer, p, cfg.chat_template_kwargs) for p in prompts]
+        positions = hybrid_positions(entry["topk_rounds"], encoded, lookup, branch)
         options += [hybrid_chain_candidate(positions, n, cost) for n in range(1, cfg.n_max + 1)]
         options += [hybrid_tree_candidate(positions, shape, max(shape.depth, cfg.lookup_tokens), cost, c_tree)
                     for shape, c_tree in trees]

@@ -23,6 +23,7 @@ import math
 import os
 import socket
 import time
+from datetime import timedelta
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +34,6 @@ import torch.distributed as dist
 from torch import nn
 
 from fledge.core.dist import TIMEOUT_MINUTES, DistInfo, backend_for, dist_info, pick_device
-from fledge.core.dist import timeout as dist_timeout
 from fledge.core.dist import init_process_group as join_process_group
 from fledge.core.errors import ConfigError
 from fledge.train.config import TrainConfig
@@ -97,10 +97,14 @@ class TTTModule(nn.Module):
         return ttt_forward(self.draft, batch, self.verifier_head, self.ttt)
 
 
+DTYPE_NAMES = {"bf16": "bfloat16", "fp32": "float32"}
+"""``train.dtype`` (once ``auto`` is settled) as torch names the dtype its forward runs in."""
+
+
 def check_compute_dtype(module: TTTModule, requested: str, engine: str) -> str:
     """The dtype the first forward ran in, refused when it is not ``train.dtype`` (an engine that ignored the
     setting would otherwise train for days in another precision than the run records)."""
-    want = {"bf16": "bfloat16", "fp32": "float32"}[requested]
+    want = DTYPE_NAMES[requested]
     if module.compute_dtype != want:
         raise ConfigError(
             f"train.dtype={requested} asks for {want}, but the {engine} engine's forward ran in {module.compute_dtype}",
@@ -215,7 +219,7 @@ def init_process_group(cfg: EngineConfig) -> tuple[DistInfo, torch.device]:
 
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend=backend_for(device, cfg.backend), verbose=False,
-                                   timeout=dist_timeout(cfg.timeout_minutes))
+                                   timeout=timedelta(minutes=cfg.timeout_minutes))
     return info, device
 
 

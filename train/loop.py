@@ -47,6 +47,7 @@ from fledge.train.checkpoint import (
 )
 from fledge.train.config import HeldOutConfig, TrainConfig
 from fledge.train.engine import (
+    DTYPE_NAMES,
     DeepSpeedEngine,
     Engine,
     EngineConfig,
@@ -455,8 +456,7 @@ def runtime_binding(engine: Engine, train: TrainConfig, device: torch.device) ->
         kind = f"deepspeed-zero{engine.zero_stage}"  # the stage DeepSpeed runs (a user JSON may set it)
     else:
         kind = "ddp" if engine.ddp else "single"
-    dtype = {"bf16": "bfloat16", "fp32": "float32"}[train.dtype]
-    return RuntimeBinding(engine=kind, compute_dtype=dtype, device=str(device), versions=versions)
+    return RuntimeBinding(engine=kind, compute_dtype=DTYPE_NAMES[train.dtype], device=str(device), versions=versions)
 
 
 def resolved_config(
