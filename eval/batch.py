@@ -26,7 +26,7 @@ from transformers import DynamicCache
 from fledge.eval.batch_draft import BatchDrafter, batch_drafter
 from fledge.eval.proposals import Drafter, TreeShape
 from fledge.eval.ragged import committed_columns, move_kept
-from fledge.eval.sampling import leviathan_accept
+from fledge.eval.sampling import greedy_accept, leviathan_accept
 from fledge.eval.tree import sliding_window_of, walk_greedy, walk_sampled
 from fledge.eval.verifier_state import DecodeResult, clock, pick_token, stop_index
 from fledge.models.capture import Captured, capture_hidden
@@ -270,9 +270,7 @@ def _chain_round(state, active, roots, results, batch: BatchDrafter, n, shape, m
         k = d.tokens.numel()
         tokens = d.tokens.to(state.device)
         if sampling.greedy:
-            predicted = torch.argmax(logits[i, : k + 1], dim=-1)
-            accepted = int(torch.cumprod(predicted[:k] == tokens, dim=0).sum())
-            next_token = int(predicted[accepted])
+            accepted, next_token, _ = greedy_accept(logits[i, : k + 1], tokens)
         else:
             q = None if d.q is None else d.q.to(state.device)
             accepted, next_token = leviathan_accept(target_probs(logits[i, : k + 1], sampling), tokens, q, generator)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from fledge.eval.proposals import Drafter
-from fledge.eval.sampling import leviathan_accept
+from fledge.eval.sampling import greedy_accept, leviathan_accept
 from fledge.eval.verifier_state import DecodeResult, RoundTimer, VerifierState, clock, stop_index
 from fledge.models.sampling import SamplingParams, target_probs
 
@@ -63,9 +63,7 @@ def generate_chain(
             logits, aux = state.forward(verifier_input)
             timer.lap("verify")
             if sampling.greedy:
-                predicted = torch.argmax(logits, dim=-1)
-                accepted = int(torch.cumprod(predicted[:n] == draft_tokens, dim=0).sum())
-                next_token = int(predicted[accepted])
+                accepted, next_token, predicted = greedy_accept(logits, draft_tokens)
                 if draft.top_ids is not None:
                     result.topk_ranks += topk_ranks(predicted, draft.top_ids.to(device), accepted)
                     result.topk_width = int(draft.top_ids.shape[1])

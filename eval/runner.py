@@ -102,6 +102,10 @@ class EvalConfig:
     """Greedy only: where a drafter's output parts from plain greedy decoding, the two competing tokens' float32
     logit gap counts as a numerical tie when it is within 2δ (δ: the rounding the evaluation's dtype measured at that
     position) plus this many eps·|logit| (``eval/ties.py``); beyond it, a mismatch, and ``fledge eval`` fails."""
+    recheck: bool = True
+    """Greedy only: check every position of every output (plain decoding's too) against one float32 forward over it
+    (``TieJudge.recheck``): a token that is not the verifier's argmax after its own prefix, beyond the tie band, is a
+    mismatch, and ``fledge eval`` fails. A bf16 verifier is then copied to float32 once (twice its memory)."""
     round_floor: bool = True
     """Measure v(k), the verifier's bare forward over the k tokens a round checks, and report how much a round
     costs beyond v(k) and its drafting (``round_overhead``)."""
@@ -287,6 +291,8 @@ def evaluate(
             for name, drafter in named:
                 runs[name].append(_run(verifier, ids, drafter, methods[name], cfg, stop_ids, cfg.max_new_tokens))
         base = _baseline_summary(plain, hf, greedy)
+        if judge is not None and cfg.recheck:
+            base["recheck"] = recheck_summary(judge, encoded, plain)
         floors = (_round_floors(verifier, encoded[0][1], set(methods.values()), cfg, aux_ids)
                   if cfg.round_floor and named else None)
         set_report = {"num_prompts": len(encoded), "baseline": base, "drafters": {}}
@@ -297,7 +303,7 @@ def evaluate(
             entry = _drafter_summary(runs[name], plain, hf, [pid for pid, _ in encoded], methods[name], cfg, base,
                                      floors)
             if judge is not None:
-                entry.update(_greedy_outcome(judge, encoded, runs[name], plain))
+                entry.update(_greedy_outcome(judge, encoded, runs[name], plain, cfg.recheck))
             set_report["drafters"][name] = entry
             log.info("%s / %s: %s", set_name, name, _one_line(entry))
             print(f"[eval] {set_name} / {name}: {_one_line(entry)}", flush=True)
@@ -345,7 +351,7 @@ def _batched_set(
 ) -> dict[str, Any]:
     """The batch sweep of one prompt set (into ``sweep``), and the set's usual entry from its smallest batch size."""
     def outcome(results: list[DecodeResult], plain: list[DecodeResult]) -> dict | None:
-        return None if judge is None else _greedy_outcome(judge, encoded, results, plain)
+        return None if judge is None else _greedy_outcome(judge, encoded, results, plain, cfg.recheck)
 
     by_size = evaluate_batched(verifier, encoded, named, methods, cfg, stop_ids, outcome)
     sweep[set_name] = by_size
@@ -405,7 +411,7 @@ def _median_with_interval(values: list[float]) -> tuple[float, list[float]]:
 def _baseline_summary(plain: list[DecodeResult], hf: list[DecodeResult], greedy: bool) -> dict:
     tokens = sum(len(r.tokens) for r in plain)
     seconds = sum(r.seconds for r in plain)
-    steps = sum(max(len(r.tokens) - 1, 0) for r in plain)
+    steps = sum(len(r.tokens) for r in plain)  # the prefill leaves the prompt's last token to the first step
     summary = {
         "tokens": tokens,
         "seconds": seconds,
@@ -534,15 +540,17 @@ def _tree_accounting(entry: dict, measured_v: bool) -> dict:
 
 
 def _greedy_outcome(
-    judge: TieJudge, encoded: list[tuple[Any, torch.Tensor]], results: list[DecodeResult], plain: list[DecodeResult]
+    judge: TieJudge, encoded: list[tuple[Any, torch.Tensor]], results: list[DecodeResult], plain: list[DecodeResult],
+    recheck: bool = True,
 ) -> dict:
     """Greedy losslessness: prompts whose output equals plain greedy decoding token for token, and at each other
-    prompt's first difference, a numerical tie or a mismatch (``eval/ties.py``)."""
+    prompt's first difference, a numerical tie or a mismatch (``eval/ties.py``); with ``recheck``, every position of
+    every output against the float32 argmax too."""
     divergences = [judge.judge(pid, ids, b.tokens, r.tokens)
                    for (pid, ids), r, b in zip(encoded, results, plain) if r.tokens != b.tokens]
     ties = [d.to_json() for d in divergences if d.kind == "tie"]
     mismatches = [d.to_json() for d in divergences if d.kind == "mismatch"]
-    return {
+    outcome = {
         "greedy_match_rate": 1.0 - len(divergences) / len(results),
         "greedy_exact": len(results) - len(divergences),
         "greedy_tie_count": len(ties),
@@ -550,17 +558,46 @@ def _greedy_outcome(
         "greedy_ties": ties,
         "greedy_mismatches": mismatches,
     }
+    if recheck:
+        outcome["recheck"] = recheck_summary(judge, encoded, results)
+    return outcome
+
+
+def recheck_summary(judge: TieJudge, encoded: list[tuple[Any, torch.Tensor]], results: list[DecodeResult]) -> dict:
+    """Every position of ``results`` against the verifier's float32 argmax (``TieJudge.recheck``): counts, each
+    off-argmax position, and the tie band in logits (median, 90th percentile and largest over positions)."""
+    checks = [judge.recheck(pid, ids, r.tokens) for (pid, ids), r in zip(encoded, results)]
+    bands = sorted(b for c in checks for b in c.bands)
+
+    def quantile(q: float) -> float | None:
+        return bands[min(int(q * len(bands)), len(bands) - 1)] if bands else None
+
+    return {
+        "positions": sum(c.positions for c in checks),
+        "ties": sum(len(c.ties) for c in checks),
+        "mismatches": sum(len(c.mismatches) for c in checks),
+        "tie_band_logits": {"median": quantile(0.5), "p90": quantile(0.9), "max": bands[-1] if bands else None},
+        "off_argmax": [{"id": c.id, "kind": kind, **row} for c in checks
+                       for kind, rows in (("tie", c.ties), ("mismatch", c.mismatches)) for row in rows],
+    }
 
 
 def mismatch_lines(report: dict[str, Any]) -> list[str]:
-    """One line per greedy mismatch in the report (empty when every difference was a tie or there was none)."""
-    return [
-        f"{set_name}/{name} prompt {m['id']}: token {m['position']} is {m['loop_token']}, plain greedy decoding "
-        f"gave {m['plain_token']} (float32 gap {m['gap']}, threshold {m['threshold']})"
-        for set_name, entry in report.get("sets", {}).items()
-        for name, d in entry.get("drafters", {}).items()
-        for m in d.get("greedy_mismatches", [])
-    ]
+    """One line per greedy mismatch in the report (empty when every difference was a tie or there was none): first
+    differences from plain decoding, and positions whose token is not the verifier's float32 argmax."""
+    lines = []
+    for set_name, entry in report.get("sets", {}).items():
+        # A drafter entry of method plain is the baseline again under its drafter name: checked once, as the baseline.
+        decoders = [("plain", entry.get("baseline", {}))] + [
+            (name, d) for name, d in entry.get("drafters", {}).items() if d.get("method") != "plain"]
+        for name, d in decoders:
+            lines += [f"{set_name}/{name} prompt {m['id']}: token {m['position']} is {m['loop_token']}, plain greedy "
+                      f"decoding gave {m['plain_token']} (float32 gap {m['gap']}, threshold {m['threshold']})"
+                      for m in d.get("greedy_mismatches", [])]
+            lines += [f"{set_name}/{name} prompt {m['id']}: token {m['position']} is {m['token']}, the verifier's "
+                      f"float32 argmax there is {m['argmax']} (gap {m['gap']:.4g}, band {m['threshold']:.4g})"
+                      for m in (d.get("recheck") or {}).get("off_argmax", []) if m["kind"] == "mismatch"]
+    return lines
 
 
 def report_table(report: dict[str, Any]) -> list[str]:
@@ -573,6 +610,7 @@ def report_table(report: dict[str, Any]) -> list[str]:
             alphas = " ".join("  - " if a is None else f"{a:.2f}" for a in (d.get("n_alpha") or [])[:6])
             match = d.get("greedy_match_rate")
             ties, wrong = d.get("greedy_tie_count", 0), d.get("greedy_mismatch_count", 0)
+            wrong += (d.get("recheck") or {}).get("mismatches", 0)
             outcome = "" if match is None else f"{match:.0%}" + (f" +{ties} ties" if ties else "") + (
                 f" {wrong} MISMATCHED" if wrong else "")
             lo, hi = d.get("speedup_interval") or (math.nan, math.nan)
@@ -596,6 +634,11 @@ def _one_line(entry: dict) -> str:
     if "greedy_match_rate" in entry:
         text += (f", greedy exact {entry['greedy_match_rate']:.0%} ({entry['greedy_tie_count']} ties, "
                  f"{entry['greedy_mismatch_count']} mismatches)")
+    if "recheck" in entry:
+        r = entry["recheck"]
+        band = r["tie_band_logits"]["median"]
+        text += (f", rechecked {r['positions']} positions in float32: {r['ties']} ties, {r['mismatches']} mismatches"
+                 + ("" if band is None else f" (tie band median {band:.3g} logits)"))
     return text
 
 

@@ -30,6 +30,20 @@ def _normalised(weights: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
     return weights / total if total > 1e-12 else fallback
 
 
+def greedy_accept(logits: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+    """Greedy verification of a chain: how many drafts equal the verifier's argmax one after another, the argmax
+    after them (the bonus token), and every row's argmax.
+
+    Args:
+        logits: [n+1, V] the verifier's logits at the positions of [last token, d_1..d_n].
+        draft_tokens: [n] the drafts, on the logits' device.
+    """
+    predicted = torch.argmax(logits, dim=-1)
+    n = draft_tokens.numel()
+    accepted = int(torch.cumprod(predicted[:n] == draft_tokens, dim=0).sum())
+    return accepted, int(predicted[accepted]), predicted
+
+
 def leviathan_accept(
     p: torch.Tensor,
     draft_tokens: torch.Tensor,

@@ -10,9 +10,17 @@ the outputs alone. So at each first difference the two competing tokens are scor
 * the gap: |l32(plain's token) - l32(the loop's token)|.
 
 The difference is a **tie** when the gap is within what rounding can flip, ``gap <= 2δ + tolerance·eps·scale`` (each
-logit may move by δ; ``eps`` is the dtype's machine epsilon and ``scale`` the largest |logit| there, a floor for a
-float32 evaluation whose δ is zero), and a **mismatch** otherwise: a loop that is not exact. In float32 every
-difference beyond a few ulps is a mismatch.
+logit may move by δ; ``eps`` is the dtype's machine epsilon and ``scale`` the larger |logit| of the two tokens, so
+that the second term is about one unit in the last place of those logits: a floor for a float32 evaluation, whose δ
+is zero), and a **mismatch** otherwise: a loop that is not exact. In float32 every difference beyond an ulp or so
+is a mismatch. (The scale was once the largest |logit| of the whole vocabulary, often a large negative logit far
+from the two tokens: a band of 0.5-1 logit in bf16 that forgave an injected RoPE off-by-one.)
+
+The first difference says nothing of the tokens after it, which follow another prefix. ``TieJudge.recheck`` checks
+every position of an output instead: one float32 forward over the prompt and the output, teacher-forced, gives at
+each position the verifier's own argmax after the output's own prefix, and one forward in the evaluation's dtype
+gives δ there. A token that is not that argmax is a tie or a mismatch by the same rule. Plain decoding is checked
+alike, so a loop's count can be read against the baseline's.
 """
 
 from __future__ import annotations
@@ -23,9 +31,9 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-DEFAULT_TIE_TOLERANCE = 2.0
-"""Multiples of eps·scale added to 2δ: about one ulp of the logits themselves for each of the two tokens, the
-rounding of the output alone, which the one measured forward may happen not to show."""
+DEFAULT_TIE_TOLERANCE = 1.0
+"""Multiples of eps·scale added to 2δ: about one ulp of the two logits themselves (half an ulp each), the rounding
+of the output alone, which the one measured forward may happen not to show."""
 
 
 @dataclass
@@ -51,6 +59,34 @@ class Divergence:
         return asdict(self)
 
 
+def tie_band(exact: torch.Tensor, rounded: torch.Tensor, a: torch.Tensor, b: torch.Tensor, eps: float,
+             tolerance: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(gap, δ, threshold) of token pairs ``a``, ``b`` [n] at rows of float32 logits ``exact`` [n, V] and their
+    rounded twins ``rounded`` [n, V]; a pair is a tie where gap <= threshold."""
+    rows = torch.arange(exact.shape[0], device=exact.device)
+    ea, eb = exact[rows, a], exact[rows, b]
+    gap = (ea - eb).abs()
+    rounding = torch.maximum((rounded[rows, a] - ea).abs(), (rounded[rows, b] - eb).abs())
+    threshold = 2 * rounding + tolerance * eps * torch.maximum(ea.abs(), eb.abs())
+    return gap, rounding, threshold
+
+
+@dataclass
+class Recheck:
+    """Every position of one greedy output against the verifier's float32 argmax after the output's own prefix."""
+
+    id: str
+    positions: int
+    ties: list[dict]
+    """Positions whose token is not the float32 argmax but within the band: {position, token, argmax, gap,
+    rounding, threshold}."""
+    mismatches: list[dict]
+    """Positions whose token is not the argmax beyond the band: the loop emitted what the verifier would not."""
+    bands: list[float]
+    """Per position, the band a flip between the verifier's top two tokens (or the token and the argmax, where
+    they differ) would have had to be within, in logits."""
+
+
 class TieJudge:
     """Classifies first differences for one verifier; its float32 copy is made on first use (a bf16 verifier's
     copy doubles its memory for the length of the evaluation) and shared by every drafter and prompt set."""
@@ -59,6 +95,7 @@ class TieJudge:
         self.model = model
         self.tolerance = tolerance
         self.dtype = next(model.parameters()).dtype
+        self.eps = float(torch.finfo(self.dtype).eps)
         self.device = model.get_input_embeddings().weight.device
         self._reference: nn.Module | None = model if self.dtype == torch.float32 else None
 
@@ -69,8 +106,14 @@ class TieJudge:
         return self._reference
 
     @torch.inference_mode()
-    def _last_logits(self, model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-        return model(input_ids=ids.view(1, -1).to(self.device), logits_to_keep=1).logits[0, -1].float()
+    def _logits(self, model: nn.Module, ids: torch.Tensor, keep: int) -> torch.Tensor:
+        """The last ``keep`` positions' logits [keep, V] in float32."""
+        return model(input_ids=ids.view(1, -1).to(self.device), logits_to_keep=keep).logits[0].float()
+
+    def _both(self, ids: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+        exact = self._logits(self.reference, ids, keep)
+        rounded = exact if self.reference is self.model else self._logits(self.model, ids, keep)
+        return exact, rounded
 
     def judge(self, prompt_id: str, prompt_ids: torch.Tensor, plain: list[int], loop: list[int]) -> Divergence:
         """Classify where ``loop`` first differs from ``plain`` (both greedy outputs after ``prompt_ids``)."""
@@ -81,13 +124,31 @@ class TieJudge:
             # Equal tokens up to where one output ends: the stop and length rules are exact, so this is a bug.
             return Divergence(str(prompt_id), position, a, b, "mismatch")
         prefix = torch.cat([prompt_ids.cpu(), torch.tensor(plain[:position], dtype=torch.long)])
-        exact = self._last_logits(self.reference, prefix)
-        rounded = exact if self.reference is self.model else self._last_logits(self.model, prefix)
-        gap = float((exact[a] - exact[b]).abs())
-        rounding = float(torch.maximum((rounded[a] - exact[a]).abs(), (rounded[b] - exact[b]).abs()))
-        threshold = 2 * rounding + self.tolerance * torch.finfo(self.dtype).eps * float(exact.abs().max())
+        exact, rounded = self._both(prefix, 1)
+        gap, rounding, threshold = (float(x[0]) for x in tie_band(
+            exact, rounded, torch.tensor([a], device=exact.device), torch.tensor([b], device=exact.device), self.eps,
+            self.tolerance))
         kind = "tie" if gap <= threshold else "mismatch"
         return Divergence(str(prompt_id), position, a, b, kind, gap, rounding, threshold)
+
+    def recheck(self, prompt_id: str, prompt_ids: torch.Tensor, tokens: list[int]) -> Recheck:
+        """Check every token of the greedy output ``tokens`` after ``prompt_ids`` (two teacher-forced forwards)."""
+        n = len(tokens)
+        if n == 0:
+            return Recheck(str(prompt_id), 0, [], [], [])
+        ids = torch.cat([prompt_ids.cpu(), torch.tensor(tokens[:-1], dtype=torch.long)])
+        exact, rounded = self._both(ids, n)
+        out = torch.tensor(tokens, device=exact.device)
+        top2 = exact.topk(2, dim=-1).indices
+        # Where the token is the argmax, the band shown is that of the runner-up; elsewhere that of token vs argmax.
+        other = torch.where(out == top2[:, 0], top2[:, 1], out)
+        gap, rounding, threshold = tie_band(exact, rounded, top2[:, 0], other, self.eps, self.tolerance)
+        ties, mismatches = [], []
+        for i in torch.nonzero(out != top2[:, 0]).flatten().tolist():
+            row = {"position": i, "token": tokens[i], "argmax": int(top2[i, 0]), "gap": float(gap[i]),
+                   "rounding": float(rounding[i]), "threshold": float(threshold[i])}
+            (ties if row["gap"] <= row["threshold"] else mismatches).append(row)
+        return Recheck(str(prompt_id), n, ties, mismatches, threshold.tolist())
 
     def close(self) -> None:
         self._reference = self.model if self.dtype == torch.float32 else None

@@ -204,14 +204,21 @@ def generate_plain(
     stop_ids: frozenset[int] = frozenset(),
     generator: torch.Generator | None = None,
 ) -> DecodeResult:
-    """Plain autoregressive decoding with a KV cache: the baseline every speculative loop is measured against."""
+    """Plain autoregressive decoding with a KV cache: the baseline every speculative loop is measured against.
+
+    It prefills as the speculative loops do (``VerifierState.prefill``: every prompt token but the last), and its
+    first step is the last prompt token, as their first round's root is. Both then hold the same cached prompt,
+    bit for bit, so in bf16 the two can part only where one verification forward of k+1 tokens rounds otherwise
+    than k+1 forwards of one token; a prefill of the whole prompt would round the prompt's own keys differently too.
+    """
     device = next(model.parameters()).device
     start = clock(device)
     state = VerifierState(model)
-    logits, _ = state.forward(prompt_ids.to(device), last_only=True)
+    state.prefill(prompt_ids)
     prefill = clock(device) - start
     tokens: list[int] = []
-    step_input = torch.empty(1, dtype=torch.long, device=device)
+    step_input = prompt_ids[-1:].clone().to(device)
+    logits, _ = state.forward(step_input, last_only=True)
     while True:
         token = pick_token(logits[-1], sampling, generator)
         tokens.append(token)

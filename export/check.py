@@ -10,7 +10,8 @@ SGLang ``srt/models/llama_eagle3.py`` + its targets' ``set_eagle3_layers_to_capt
   ``name`` or ``model.{name}`` and *skips what it does not find*, so a ``layers.0.*`` flat checkpoint leaves SGLang's
   decoder layer at its random init. Unknown names crash vLLM (``params_dict[name]``).
 - ``d2t``: both engines map draft id ``i`` to target id ``i + d2t[i]`` and ignore ``t2d``. Without ``d2t`` vLLM keeps
-  its zero-initialised mapping (draft id i read as verifier id i).
+  its zero-initialised mapping (draft id i read as verifier id i). With a draft vocabulary as large as the verifier's,
+  vLLM builds no mapping and refuses a ``d2t`` (seen with vLLM 0.32.0's CPU build).
 - Layer ids: vLLM reads the top-level ``eagle_aux_hidden_state_layer_ids`` (when absent, it falls back to
   ``eagle_config.eagle_aux_hidden_state_layer_ids`` *without* shifting it); SGLang reads the ``eagle_config`` ids and
   adds one. Both capture the *input* of decoder layer ``id`` (Hugging Face ``output_hidden_states`` index ``id``)
@@ -326,6 +327,16 @@ def _check_vocab_maps(ckpt: ServingCheckpoint, vocab_size: int, add) -> None:
         t2d = None
     if t2d is not None and t2d.dtype != torch.bool:
         add("warning", "t2d-dtype", f"t2d is {t2d.dtype}", "store t2d as a bool mask")
+    if d2t is not None and draft_vocab == vocab_size:
+        add(
+            "error",
+            "d2t-full-vocab",
+            f"d2t/t2d are shipped although the draft vocabulary is the verifier's whole vocabulary ({vocab_size}): "
+            "vLLM then creates no draft_id_to_target_id and refuses the checkpoint (\"There is no module or parameter "
+            "named 'draft_id_to_target_id'\", vLLM 0.32.0)",
+            "leave d2t and t2d out, with lm_head rows in verifier-id order (fledge export does)",
+        )
+        return
     if d2t is None:
         if draft_vocab < vocab_size:
             add(

@@ -167,6 +167,13 @@ def serving_tensors(draft: Eagle3Draft, dtype: torch.dtype, ship_embedding: bool
         else:
             tensor = tensor.to(dtype)
         out[name] = tensor.contiguous()
+    if draft.config.draft_vocab_size == draft.config.vocab_size:
+        # A draft over the whole vocabulary ships no d2t/t2d: vLLM builds no mapping for it and refuses a checkpoint
+        # that has one ("no module or parameter named 'draft_id_to_target_id'", vLLM 0.32.0). Its head rows are put
+        # in verifier-id order instead, so that draft id i is verifier id i for every reader.
+        order = torch.argsort(torch.arange(draft.config.draft_vocab_size) + out.pop("d2t"))
+        out.pop("t2d")
+        out["lm_head.weight"] = out["lm_head.weight"][order].contiguous()
     return out
 
 
@@ -206,7 +213,8 @@ def model_card(
     if tau_source:
         lines.append(f"- τ measured by: {tau_source}")
     lines += [
-        f"- draft vocabulary: {cfg.draft_vocab_size} of {cfg.vocab_size} verifier tokens (`d2t` offsets, `t2d` mask)",
+        f"- draft vocabulary: {cfg.draft_vocab_size} of {cfg.vocab_size} verifier tokens "
+        + ("(`d2t` offsets, `t2d` mask)" if cfg.draft_vocab_size < cfg.vocab_size else "(all: no `d2t`/`t2d`)"),
         f"- aux layers (Hugging Face `output_hidden_states` indices): {ids}; `eagle_config` (SGLang, minus one): "
         f"{[i - 1 for i in ids]}",
         f"- weights: {dtype_name}; the embedding is the verifier's"

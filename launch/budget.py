@@ -303,7 +303,7 @@ def probe_box(
     decode_rate = 0.0
     for _ in range(DECODE_PROBE_RUNS):
         result = generate_plain(verifier.model, prompt, max_new_tokens=16)
-        steps = len(result.tokens) - 1  # steps after the prefill
+        steps = len(result.tokens)  # one step per token after the prefill (the first feeds the prompt's last token)
         decode_rate = max(decode_rate, steps / max(result.seconds - result.prefill_seconds, 1e-9))
     del verifier
     rates = BoxRates(cache_rate, train_rate, decode_rate, dtype, time.perf_counter() - start)

@@ -402,3 +402,28 @@ def test_cache_train_export_check_import(tmp_path, smollm_tokenizer):
     trained, imported = load_draft(tmp_path / "train"), load_exported(out, vdir)
     for key, value in trained.state_dict().items():
         assert torch.equal(imported.state_dict()[key], value), key
+
+
+def test_a_draft_over_the_whole_vocabulary_ships_no_d2t_and_a_d2t_there_is_refused(verifier_dir, tmp_path):
+    """vLLM builds no draft-to-target mapping when the draft vocabulary is the verifier's, and refuses a d2t."""
+    from transformers import AutoConfig
+
+    cfg = Eagle3Config.from_verifier(AutoConfig.from_pretrained(verifier_dir), V, AUX)
+    draft = Eagle3Draft(cfg, seed=4)
+    draft.load_verifier_embedding(load_embed_and_head(verifier_dir)[0])
+    draft.eval()
+    out = export_draft(draft, verifier_dir, tmp_path / "full", dtype="float32")
+    weights = load_file(str(out / "model.safetensors"))
+    assert "d2t" not in weights and "t2d" not in weights
+    assert "all: no `d2t`" in (out / "README.md").read_text()
+    imported = load_exported(out, verifier_dir)
+    assert torch.equal(imported.lm_head.weight, draft.lm_head.weight) and not imported.d2t.any()
+    assert torch.equal(draft_outputs(imported)[1], draft_outputs(draft)[1])
+    assert check_checkpoint(out, verifier_dir) == []
+
+    weights["d2t"] = torch.zeros(V, dtype=torch.int64)
+    weights["t2d"] = torch.ones(V, dtype=torch.bool)
+    save_file(weights, str(out / "model.safetensors"))
+    problems = check_checkpoint(out, verifier_dir)
+    assert [(p.level, p.code) for p in problems] == [("error", "d2t-full-vocab")]
+    assert "draft_id_to_target_id" in problems[0].message

@@ -45,8 +45,9 @@ class ReferenceDrafter:
     supports_tree = True
     draft_to_target = None
 
-    def __init__(self, prompt_length: int, reference: list[int], seed: int = 0, hit_rate: float = 0.8):
-        self.target_vocab_size = VOCAB
+    def __init__(self, prompt_length: int, reference: list[int], seed: int = 0, hit_rate: float = 0.8,
+                 vocab_size: int = VOCAB):
+        self.target_vocab_size = vocab_size
         self.prompt_length = prompt_length
         self.reference = reference
         self.hit_rate = hit_rate
@@ -62,12 +63,12 @@ class ReferenceDrafter:
         self.slot_paths = []
 
     def _logits(self, path: list[int]) -> torch.Tensor:
-        logits = torch.randn(VOCAB, generator=self.generator)
+        logits = torch.randn(self.target_vocab_size, generator=self.generator)
         generated = self.context[self.prompt_length :] + path
         at = len(generated)
         if at < len(self.reference) and generated == self.reference[:at] and self.rng.random() < self.hit_rate:
             rank = self.rng.randrange(3)
-            logits[self.reference[at]] = torch.sort(logits, descending=True).values[rank] + 1e-3
+            logits[self.reference[at]] = logits.topk(rank + 1).values[rank] + 1e-3
         return logits
 
     def root_logits(self):

@@ -70,8 +70,15 @@ def test_evaluate_reports_ties_and_mismatches_and_the_job_fails_on_a_mismatch(ti
     entry = report["sets"]["toy"]["drafters"]["lookup"]
     assert (entry["greedy_exact"], entry["greedy_tie_count"], entry["greedy_mismatch_count"]) == (0, 0, 2)
     assert entry["greedy_mismatches"][0]["position"] == 2
-    assert len(mismatch_lines(report)) == 2 and "plain greedy decoding gave" in mismatch_lines(report)[0]
-    assert "2 MISMATCHED" in report_table(report)[1]
+    # Every position rechecked: the broken token itself is off the argmax in both prompts (and so may be the next,
+    # which continues plain's prefix, not the broken one); plain decoding is on the argmax everywhere.
+    recheck = entry["recheck"]
+    assert recheck["positions"] == 12 and report["sets"]["toy"]["baseline"]["recheck"]["mismatches"] == 0
+    assert {(m["id"], m["position"]) for m in recheck["off_argmax"] if m["kind"] == "mismatch"} >= {("a", 2), ("b", 2)}
+    lines = mismatch_lines(report)
+    assert len(lines) == 2 + recheck["mismatches"] and "plain greedy decoding gave" in lines[0]
+    assert any("float32 argmax there is" in line for line in lines)
+    assert f"{2 + recheck['mismatches']} MISMATCHED" in report_table(report)[1]
 
     from fledge.eval import eval_job
 
