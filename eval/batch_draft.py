@@ -359,8 +359,10 @@ class BatchedHybrid:
         hits = [f.tokens.numel() > 0 for f in found]
         drafted = self.eagle.propose_chains([0 if hit else row.draft_length(n) for row, hit, n in
                                              zip(self.rows, hits, lengths)], sampling, generator)
-        for row, hit in zip(self.rows, hits):
+        for row, hit, f in zip(self.rows, hits, found):
             row.used_lookup += hit
+            if hit:
+                row.offer(f.tokens.tolist())
         return [f if hit else d for f, d, hit in zip(found, drafted, hits)]
 
     def propose_trees(self, shapes, sampling, generator) -> list[DraftTree]:
@@ -370,6 +372,7 @@ class BatchedHybrid:
 
     def advance(self, updates) -> None:
         for row, (tokens, _) in zip(self.rows, updates):
+            row.settle(tokens.tolist())
             row.lookup.advance(tokens, None)
         self.eagle.advance(updates)
 

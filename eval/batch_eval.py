@@ -4,7 +4,8 @@ Speculation pays less as the batch grows (the verifier's forward stops being mem
 row costs more); users need the curve at the batch sizes they serve. For each batch size B, the prompts are decoded
 B at a time (``eval/batch.py``): plain decoding first, then each drafter on the same group, so that a change of load
 hits them alike. A drafter's tokens/s over plain's is its speed-up at B (pooled over the groups), with a bootstrap
-95 % interval over groups; τ and n-α come from its rows' rounds, and (greedy) every row is checked against plain
+95 % interval over groups; with ``eval.hf_baseline`` each group is also decoded by Hugging Face ``generate`` as one
+left-padded batch, and a group's plain is the faster of the two (``baseline_vs_hf`` per B says which); τ and n-α come from its rows' rounds, and (greedy) every row is checked against plain
 decoding's row like the batch-1 report does (exact, tie or mismatch).
 
 The EAGLE-3 draft (alone or in the hybrid) proposes for every row in one batched forward per draft step
@@ -21,6 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from fledge.eval.batch import generate_batch
+from fledge.eval.hf_baseline import generate_hf_batch
 from fledge.eval.metrics import (
     AcceptanceTrace,
     bootstrap_interval,
@@ -82,6 +84,8 @@ def evaluate_batched(
                 run(first, name, cfg.warmup_tokens)
         plain: list[DecodeResult] = []
         plain_seconds: list[float] = []
+        hf: list[DecodeResult] = []
+        hf_seconds: list[float] = []
         rows: dict[str, list[DecodeResult]] = {name: [] for name, _ in drafters}
         seconds: dict[str, list[float]] = {name: [] for name, _ in drafters}
         bar = tqdm(total=len(encoded) * (1 + len(drafters)), desc=f"eval batch {size}", unit="decode")
@@ -90,6 +94,12 @@ def evaluate_batched(
             results, elapsed = run(prompts, None, cfg.max_new_tokens)
             plain += results
             plain_seconds.append(elapsed)
+            if cfg.hf_baseline:
+                # The same group through Hugging Face generate: is the batched plain loop a fair baseline at B?
+                results, elapsed = generate_hf_batch(model, prompts, max_new_tokens=cfg.max_new_tokens,
+                                                     sampling=cfg.sampling(), stop_ids=stop_ids, seed=cfg.seed)
+                hf += results
+                hf_seconds.append(elapsed)
             bar.update(len(prompts))
             for name, _ in drafters:
                 results, elapsed = run(prompts, name, cfg.max_new_tokens)
@@ -105,8 +115,24 @@ def evaluate_batched(
                       "tokens_per_s": plain_tokens / sum(plain_seconds) if sum(plain_seconds) else 0.0},
             "drafters": {},
         }
+        if hf:
+            hf_tokens = sum(len(r.tokens) for r in hf)
+            entry["plain"]["hf_generate"] = {"tokens": hf_tokens, "seconds": sum(hf_seconds),
+                                             "tokens_per_s": hf_tokens / sum(hf_seconds) if sum(hf_seconds) else 0.0}
+            if cfg.sampling().greedy:
+                entry["plain"]["hf_generate"]["same_tokens_rate"] = sum(
+                    p.tokens == h.tokens for p, h in zip(plain, hf)) / len(hf)
+            hf_rate = entry["plain"]["hf_generate"]["tokens_per_s"]
+            # fledge's batched plain tokens/s over generate's at the same B: below 1, generate is the faster baseline.
+            entry["plain"]["baseline_vs_hf"] = entry["plain"]["tokens_per_s"] / hf_rate if hf_rate else math.nan
         group_plain = [(sum(len(r.tokens) for r in plain[i * size : (i + 1) * size]), plain_seconds[i])
                        for i in range(len(groups))]
+        if hf:
+            # Speed-ups divide by the faster of the two baselines, group by group, as at batch 1.
+            group_hf = [(sum(len(r.tokens) for r in hf[i * size : (i + 1) * size]), hf_seconds[i])
+                        for i in range(len(groups))]
+            group_plain = [p if not h[1] or (p[1] and p[0] / p[1] >= h[0] / h[1]) else h
+                           for p, h in zip(group_plain, group_hf)]
         units: dict[str, list[tuple[int, float]]] = {}  # (tokens, seconds) per group, to pair with prompt lookup's
         for name, _ in drafters:
             results = rows[name]
@@ -156,10 +182,15 @@ def batch_table(report: dict[str, Any]) -> list[str]:
 
 
 def batch_figures(report: dict[str, Any]) -> list[str]:
-    """Stable labels for benchmarks: ``batch_speedup <set>/<drafter> B=<size> <value>``."""
+    """Stable labels for benchmarks: ``batch_speedup <set>/<drafter> B=<size> <value>``, and
+    ``batch_baseline_vs_hf <set> B=<size> <value>`` (fledge's batched plain tokens/s over Hugging Face generate's at
+    the same batch size) where generate was timed."""
+    sweep = (report.get("batch_sweep") or {}).items()
     return [f"batch_speedup {set_name}/{name} B={size} {d['speedup']:.3f}"
-            for set_name, by_size in (report.get("batch_sweep") or {}).items()
-            for size, entry in by_size.items() for name, d in entry["drafters"].items()]
+            for set_name, by_size in sweep
+            for size, entry in by_size.items() for name, d in entry["drafters"].items()] + [
+        f"batch_baseline_vs_hf {set_name} B={size} {entry['plain']['baseline_vs_hf']:.3f}"
+        for set_name, by_size in sweep for size, entry in by_size.items() if "baseline_vs_hf" in entry["plain"]]
 
 
 def plot_batch(report: dict[str, Any], path: Path) -> None:

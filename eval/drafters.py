@@ -286,6 +286,10 @@ class HybridDrafter:
         """Rounds whose proposal came from prompt lookup (chains) or carried a lookup branch (trees)."""
         self.extended = 0
         """Lookup branches hung under the draft's first tokens (``extend``)."""
+        self.lookup_rejected = 0
+        """Rounds where the verifier rejected a token of the lookup's proposal (the chain, or the tree's root branch):
+        the committed tokens left it before its end."""
+        self._offered: list[int] = []
 
     def fresh(self) -> HybridDrafter:
         return HybridDrafter(self.eagle.fresh(), self.lookup.fresh(), self.draft_tokens, self.extend)
@@ -298,13 +302,24 @@ class HybridDrafter:
         self.eagle.start(context, aux)
 
     def advance(self, new_tokens: torch.Tensor, aux: torch.Tensor | None) -> None:
+        self.settle(new_tokens.tolist())
         self.lookup.advance(new_tokens, aux)
         self.eagle.advance(new_tokens, aux)
+
+    def offer(self, tokens: list[int]) -> None:
+        """Remember this round's lookup proposal, to count it rejected (``settle``) if the committed tokens leave it."""
+        self._offered = tokens
+
+    def settle(self, committed: list[int]) -> None:
+        if self._offered and committed[: len(self._offered)] != self._offered:
+            self.lookup_rejected += 1
+        self._offered = []
 
     def propose_chain(self, n: int, sampling: SamplingParams, generator: torch.Generator | None) -> ChainDraft:
         found = self.lookup.propose_chain(n, sampling, generator)
         if found.tokens.numel():
             self.used_lookup += 1
+            self.offer(found.tokens.tolist())
             return found
         return self.eagle.propose_chain(self.draft_length(n), sampling, generator)
 
@@ -318,6 +333,7 @@ class HybridDrafter:
         if tree.q is not None:
             return tree
         branches = [self.lookup.continuation([], shape.branch_depth)]
+        self.offer(branches[0].tolist())
         if self.extend and shape.branch_depth > 1:
             firsts = [t for t, d in zip(tree.tokens.tolist(), tree.depths.tolist()) if d == 1][: self.extend]
             for token in firsts:

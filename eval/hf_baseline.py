@@ -50,3 +50,47 @@ def generate_hf(
     tokens = out[0, ids.shape[1] :].tolist()
     tokens = tokens[: stop_index(tokens, stop_ids, max_new_tokens)]
     return DecodeResult(tokens=tokens, seconds=seconds)
+
+
+@torch.inference_mode()
+def generate_hf_batch(
+    model: nn.Module,
+    prompts: list[torch.Tensor],
+    *,
+    max_new_tokens: int,
+    sampling: SamplingParams = SamplingParams(),
+    stop_ids: frozenset[int] = frozenset(),
+    seed: int = 0,
+) -> tuple[list[DecodeResult], float]:
+    """``model.generate`` over the prompts as one left-padded batch, as fledge's batched plain loop decodes them:
+    each row's tokens (cut as the other loops cut them) and the batch's wall time."""
+    from transformers import GenerationConfig
+
+    device = model.get_input_embeddings().weight.device
+    stops = sorted(stop_ids)
+    pad = stops[0] if stops else 0
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=not sampling.greedy,
+        temperature=sampling.temperature if not sampling.greedy else 1.0,
+        top_k=sampling.top_k or None,
+        top_p=sampling.top_p,
+        eos_token_id=stops or None,
+        pad_token_id=pad,
+        use_cache=True,
+    )
+    longest = max(int(p.numel()) for p in prompts)
+    ids = torch.full((len(prompts), longest), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), longest), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, longest - p.numel():] = p.cpu()
+        mask[i, longest - p.numel():] = 1
+    if not sampling.greedy:
+        torch.manual_seed(seed)
+    start = clock(device)
+    out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config)
+    seconds = clock(device) - start
+    results = []
+    for row in out[:, longest:].tolist():
+        results.append(DecodeResult(tokens=row[: stop_index(row, stop_ids, max_new_tokens)], seconds=seconds))
+    return results, seconds

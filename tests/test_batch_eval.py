@@ -130,6 +130,23 @@ def test_batched_eagle_proposes_what_each_row_would_alone(verifier, method):
             side.advance(updates)
 
 
+def test_batched_plain_decoding_is_hugging_face_generate_at_the_same_batch(verifier):
+    """The baseline every batched speed-up divides by: the same tokens as ``generate`` over the same left-padded
+    batch (prompts of 1 to 14 tokens, a stop token cutting rows short)."""
+    from fledge.eval.batch import generate_batch
+    from fledge.eval.hf_baseline import generate_hf_batch
+
+    ours, _ = generate_batch(verifier, BATCH_PROMPTS, None, method="plain", max_new_tokens=MAX_NEW)
+    theirs, seconds = generate_hf_batch(verifier, BATCH_PROMPTS, max_new_tokens=MAX_NEW)
+    assert [r.tokens for r in ours] == [r.tokens for r in theirs] and seconds > 0
+    stop = ours[0].tokens[5]
+    ours, _ = generate_batch(verifier, BATCH_PROMPTS, None, method="plain", max_new_tokens=MAX_NEW,
+                             stop_ids=frozenset({stop}))
+    theirs, _ = generate_hf_batch(verifier, BATCH_PROMPTS, max_new_tokens=MAX_NEW, stop_ids=frozenset({stop}))
+    assert [r.tokens for r in ours] == [r.tokens for r in theirs]
+    assert len(ours[0].tokens) <= 6
+
+
 def test_batched_sliding_window_rows_equal_batch_one():
     from fledge.eval.batch import generate_batch
 
@@ -195,6 +212,11 @@ def test_evaluate_sweeps_batch_sizes_into_a_table_and_a_plot(tiny_verifier_dir, 
     assert report["sets"]["toy"]["drafters"]["eagle"]["tau"] == sweep["1"]["drafters"]["eagle"]["tau"]
     assert len(batch_table(report)) == 1 + 3 * 2
     assert sum(line.startswith("batch_speedup toy/eagle B=") for line in batch_figures(report)) == 3
+    # the batched plain baseline against Hugging Face generate at the same batch size: same tokens, both timed
+    for entry in sweep.values():
+        assert entry["plain"]["hf_generate"]["same_tokens_rate"] == 1.0
+        assert entry["plain"]["baseline_vs_hf"] > 0
+    assert sum(line.startswith("batch_baseline_vs_hf toy B=") for line in batch_figures(report)) == 3
     assert (tmp_path / "eval" / "speedup_vs_batch.png").stat().st_size > 0
     assert json.loads((tmp_path / "eval" / "report.json").read_text())["batch_sweep"]["toy"]["2"]["drafters"]
     # what fledge eval logs to wandb (offline): a row per batch size with each drafter's speed-up

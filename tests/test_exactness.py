@@ -13,7 +13,9 @@ import fledge.eval.chain
 import fledge.eval.tree
 from fledge.eval.datastore import NgramDatastore
 from fledge.eval.drafters import HybridDrafter, PromptLookupDrafter, RandomDrafter
-from fledge.eval.exactness import chi2_critical, chi_square, exactness_check, random_eagle_factory, tiny_verifier
+from fledge.eval.exactness import (
+    chi2_critical, chi_square, exact_joint, exactness_check, random_eagle_factory, tiny_verifier,
+)
 from fledge.eval.proposals import ChainDraft, TreeShape, grow_tree, propose_chain_with
 from fledge.eval.sampling import leviathan_accept, multi_candidate_accept
 from fledge.models.sampling import SamplingParams, sample, target_probs
@@ -240,16 +242,19 @@ def test_eagle_drafter_is_exact(verifier, method):
 
 
 REPEATING = torch.tensor([3, 9, 4, 3, 9, 4, 3, 9])  # the lookup finds its last n-grams earlier: it proposes at once
+HYBRID_RUNS = {1: 300, 100: 6000}
+"""Runs per hybrid check by batch size. At 6,000 runs the check detects a shift of 3 points of probability mass
+(from the verifier's most likely first token to its second) 99 % of the time, by 200 simulated multinomial draws from
+the exact joint with the check's four tests at 2.5e-4 each (0.5 % at 300 runs, 55 % at 3,000); a correct loop failed 1
+of those 200. Batch 1 keeps 300 runs, a smoke test of the single-row loop: the batched rows run the same rules."""
 
 
-@pytest.mark.parametrize("batch_size", [1, 30])
-@pytest.mark.parametrize("method", ["chain", "tree"])
-def test_hybrid_drafter_is_exact(verifier, method, batch_size):
-    """Draft and prompt lookup in one proposal: the lookup continuation (deterministic) where the last n-gram
-    occurred before, the draft's proposal (a chain, or EAGLE-2's deterministic tree it joins as a branch). At batch
-    30 the rows are one ``BatchedHybrid``: the draft batched, the lookup per row."""
+def hybrid_check(verifier, method, batch_size, made=None, runs=None):
+    """The hybrid's exactness check: draft and prompt lookup in one proposal, the lookup continuation
+    (deterministic) where the last n-gram occurred before, the draft's proposal (a chain, or EAGLE-2's deterministic
+    tree it joins as a branch). In a batch the rows are one ``BatchedHybrid``: the draft batched, the lookup per row."""
     eagle = random_eagle_factory(verifier, [0, 1, 1])
-    made: list[HybridDrafter] = []
+    made = [] if made is None else made
     # A datastore (hybrid_datastore) of random text: where the context has no match, its continuations.
     rng = torch.Generator().manual_seed(0)
     store = NgramDatastore([torch.randint(0, VOCAB, (64,), generator=rng).tolist() for _ in range(40)],
@@ -262,17 +267,85 @@ def test_hybrid_drafter_is_exact(verifier, method, batch_size):
 
     # The lookup branch may reach deeper than the draft's own tree (TreeShape.lookup_depth).
     shape = TreeShape(depth=2, top_k=3, total_tokens=6, sampled_children=False, lookup_depth=4)
-    # Odd ids (the draft's vocabulary) in front, so that the draft's first tokens occur in the context: the
-    # extensions then find continuations.
-    prompt = torch.cat([torch.arange(1, VOCAB, 2), REPEATING])
-    report = exactness_check(verifier, factory, method, 300, prompt_ids=prompt, sampling=SAMPLING,
-                             tree_shape=shape, aux_layer_ids=[0, 1, 1], batch_size=batch_size)
+    report = exactness_check(verifier, factory, method, runs or HYBRID_RUNS[batch_size], prompt_ids=HYBRID_PROMPT,
+                             sampling=SAMPLING, tree_shape=shape, aux_layer_ids=[0, 1, 1], batch_size=batch_size)
     print(report.describe())
+    return report, store
+
+
+# Odd ids (the draft's vocabulary) in front, so that the draft's first tokens occur in the context: the extensions
+# then find continuations.
+HYBRID_PROMPT = torch.cat([torch.arange(1, VOCAB, 2), REPEATING])
+
+
+@pytest.mark.parametrize("batch_size", [1, 100])
+@pytest.mark.parametrize("method", ["chain", "tree"])
+def test_hybrid_drafter_is_exact(verifier, method, batch_size):
+    made: list[HybridDrafter] = []
+    report, store = hybrid_check(verifier, method, batch_size, made)
     assert report.passed, report.describe()
     assert sum(d.used_lookup for d in made) > 0  # the lookup branch was taken, and verified exactly
+    assert sum(d.lookup_rejected for d in made) > 0  # and rejected too, where the verifier sampled otherwise
     assert store.hits > 0  # some of it from the datastore
     if method == "tree":
         assert sum(d.extended for d in made) > 0  # and branches under the draft's first tokens
+
+
+def test_the_hybrid_check_detects_a_three_point_shift(verifier, monkeypatch):
+    """A broken loop that moves 3 points of probability from the verifier's likeliest first token to its second."""
+    from fledge.eval import exactness
+
+    first = exact_joint(verifier, HYBRID_PROMPT, SAMPLING, 1)
+    top, second = (int(i) for i in torch.topk(first, 2).indices)
+    move = 0.03 / float(first[top])
+    real = exactness.generate_batch
+    g = torch.Generator().manual_seed(7)
+
+    def shifted(*args, **kwargs):
+        results, seconds = real(*args, **kwargs)
+        for r in results:
+            if r.tokens[0] == top and float(torch.rand(1, generator=g)) < move:
+                r.tokens[0] = second
+        return results, seconds
+
+    monkeypatch.setattr(exactness, "generate_batch", shifted)
+    report, _ = hybrid_check(verifier, "chain", 100)
+    assert not report.passed, report.describe()
+
+
+@pytest.mark.parametrize("method", ["chain", "tree"])
+def test_a_broken_hybrid_fails_the_check(verifier, method, monkeypatch):
+    """The hybrid's own bug: after the verifier rejects a lookup token (a point-mass proposal), the token emitted
+    instead is drawn from p, the rejected token left in, instead of from p without it."""
+    from fledge.eval import batch as batch_mod
+
+    def forgetful_leviathan(p, draft_tokens, q, generator):
+        return broken_leviathan(p, draft_tokens, q, generator) if q is None else leviathan_accept(
+            p, draft_tokens, q, generator)
+
+    def forgetful_multi_candidate(p, candidates, q, generator):
+        return broken_multi_candidate(p, candidates, q, generator) if q is None else multi_candidate_accept(
+            p, candidates, q, generator)
+
+    monkeypatch.setattr(batch_mod, "leviathan_accept", forgetful_leviathan)
+    monkeypatch.setattr(batch_mod, "walk_sampled", _walk_with(forgetful_multi_candidate))
+    report, _ = hybrid_check(verifier, method, 100)
+    assert not report.passed, report.describe()
+
+
+def _walk_with(rule):
+    """``walk_sampled`` with another node rule (the real one calls ``multi_candidate_accept`` by module name)."""
+    from fledge.eval import tree as tree_mod
+
+    def walk(logits, tree, sampling, generator):
+        original = tree_mod.multi_candidate_accept
+        tree_mod.multi_candidate_accept = rule
+        try:
+            return tree_mod.walk_sampled(logits, tree, sampling, generator)
+        finally:
+            tree_mod.multi_candidate_accept = original
+
+    return walk
 
 
 def test_a_lookup_branch_joins_the_tree_where_it_agrees():

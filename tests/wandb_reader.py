@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 import zlib
 from pathlib import Path
 from typing import Any
@@ -54,11 +55,31 @@ def read_wandb_records(path: Path) -> list[Any]:
     return records
 
 
+def finished_records(path: Path, timeout: float = 60.0) -> list[Any]:
+    """The records of a run's log once wandb has written all of it, up to its ``exit`` record.
+
+    ``run.finish()`` returns before wandb's core process has flushed the offline file: read at once, the file held
+    none of the last rows in 2 of 8 tries here (all of them 3 s later). So the reader waits for the record that
+    closes a run, and a run that never gets one within ``timeout`` is an error, not an empty history."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            records = read_wandb_records(path)
+        except ValueError:  # a chunk still being written at the tail
+            records = []
+        if records and records[-1].WhichOneof("record_type") == "exit":
+            return records
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path}: no exit record after {timeout:.0f} s; wandb did not finish writing the run")
+        time.sleep(0.1)
+
+
 def read_wandb_history(run_dir: Path) -> list[dict[str, Any]]:
-    """The history rows (``run.log`` calls) of every offline wandb run under ``run_dir`` (oldest first)."""
+    """The history rows (``run.log`` calls) of every offline wandb run under ``run_dir`` (oldest first), each run
+    read once wandb has finished writing it."""
     rows = []
     for path in sorted(Path(run_dir).glob("**/offline-run-*/run-*.wandb")):
-        for record in read_wandb_records(path):
+        for record in finished_records(path):
             if record.WhichOneof("record_type") == "history":
                 rows.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in record.history.item})
     return rows
