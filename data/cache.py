@@ -10,23 +10,35 @@ Layout of a cache directory::
 
 A shard is written to a temporary name, flushed and renamed, then its sidecar is written the same way, so a process
 killed at any moment leaves either a complete shard or nothing a reader or a resumed run would take.
+
+Shards are verified once, when written: the writer reads each one back and compares its sha256 with that of the
+bytes it meant to write before the sidecar records it. A reader only checks what costs no read of the data — the
+file's size and its safetensors header (the tensors, dtypes and shapes the manifest implies) — because on a shared
+file system every rank hashing every shard would multiply the first epoch's reads by the number of ranks. The full
+re-hash is there on demand: ``cache.verify_on_read=true`` for training, ``python -m fledge.data.cache verify DIR``.
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
+import struct
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
+from tqdm import tqdm
 
+from fledge.core.dist import dist_info
 from fledge.core.errors import ConfigError, FledgeError
 from fledge.core.files import atomic_write, atomic_write_text, sha256_file
+from fledge.models.verifier import DTYPES
 
 FORMAT_VERSION = 1
 SHARD_DIR = "shards"
@@ -56,6 +68,9 @@ class CacheConfig:
     """'auto' (cuda when available, else cpu), 'cpu', 'cuda', 'cuda:1', ..."""
     verify_on_resume: bool = True
     """Re-hash complete shards before trusting them on resume."""
+    verify_on_read: bool = False
+    """``fledge train``: re-hash every shard (sha256) when the cache is opened, on top of the size and header check
+    every read makes; for a cache suspected of damage (each rank reads the whole cache once more)."""
 
     def __post_init__(self) -> None:
         if self.batch_tokens < 1 or self.max_batch_size < 1 or self.shard_bytes < 1:
@@ -159,7 +174,8 @@ def write_shard(
     aux: list[torch.Tensor],
     final: list[torch.Tensor],
 ) -> dict[str, Any]:
-    """Write one shard and then its sidecar, each atomically; returns the sidecar record."""
+    """Write one shard, read it back once to check it, then its sidecar, each atomically; returns the sidecar
+    record. The read-back is the shard's one full check: readers trust the sidecar's sha256 without re-hashing."""
     shard_dir = cache_dir / SHARD_DIR
     lengths = [len(x) for x in input_ids]
     offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
@@ -173,14 +189,19 @@ def write_shard(
         "final": torch.cat(final).contiguous(),
     }
     final_path = shard_dir / f"{shard_name(s)}.safetensors"
-    atomic_write(
-        final_path, lambda tmp: save_file(tensors, str(tmp)), before_replace=lambda: _fault_point("before_rename")
-    )
+    data = save(tensors)
+    digest = hashlib.sha256(data).hexdigest()
+
+    def write(tmp: Path) -> None:
+        _write_bytes(tmp, data)
+        _check_written(tmp, final_path, digest)
+
+    atomic_write(final_path, write, before_replace=lambda: _fault_point("before_rename"))
     record = {
         "shard": s,
         "file": f"{SHARD_DIR}/{final_path.name}",
-        "sha256": sha256_file(final_path),
-        "bytes": final_path.stat().st_size,
+        "sha256": digest,
+        "bytes": len(data),
         "conversations": len(conv_ids),
         "tokens": int(offsets[-1]),
         "index": conv_ids,
@@ -189,6 +210,33 @@ def write_shard(
     atomic_write_text(shard_dir / f"{shard_name(s)}.json", json.dumps(record))
     _fault_point("after_shard")
     return record
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _check_written(tmp: Path, final_path: Path, digest: str) -> None:
+    """Read the shard back once and compare it with the bytes meant for it, so a reader need not hash it again.
+
+    The flushed pages are dropped first (where the OS allows), so the read comes from the storage, not from this
+    process's page cache."""
+    if hasattr(os, "posix_fadvise"):
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    found = sha256_file(tmp)
+    if found != digest:
+        raise CacheError(
+            f"{final_path}: the shard read back differs from what was written (sha256 {found[:12]}..., "
+            f"expected {digest[:12]}...); it was not kept",
+            fix="check the disk or file system under the cache, then rerun the command that was writing it",
+        )
 
 
 _shards_written = 0
@@ -230,14 +278,57 @@ def remove_stale_temporaries(cache_dir: Path) -> int:
 # --------------------------------------------------------------------------------------------------- reading
 
 
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+ANY_FLOAT = "F32|BF16|F16"
+"""The states' dtype where the manifest names none (``cache.storage_dtype=auto``)."""
+
+
+def read_header(path: Path) -> tuple[dict[str, Any], int]:
+    """A safetensors file's header (tensor name -> dtype, shape, data_offsets) and its length, from the first bytes
+    only: an 8-byte little-endian length, then that much JSON."""
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{size} bytes, too short for a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise ValueError(f"the header claims {n:,} bytes of a {size:,}-byte file")
+        header = json.loads(fh.read(n))
+    if not isinstance(header, dict) or not all(isinstance(v, dict) for k, v in header.items() if k != "__metadata__"):
+        raise ValueError("the header is not a table of tensors")
+    header.pop("__metadata__", None)
+    return header, n
+
+
+def expected_tensors(manifest: dict[str, Any], record: dict[str, Any]) -> dict[str, tuple[str, list[int]]]:
+    """What ``write_shard`` stores for a shard of ``record`` in a cache of ``manifest``: name -> (dtype, shape)."""
+    n, tokens, hidden = record["conversations"], record["tokens"], manifest["hidden_size"]
+    storage = _SAFETENSORS_DTYPES.get(DTYPES.get(manifest["storage_dtype"]), ANY_FLOAT)
+    return {
+        "index": ("I64", [n]),
+        "offsets": ("I64", [n + 1]),
+        "input_ids": ("I32", [tokens]),
+        "loss_mask": ("U8", [tokens]),
+        "aux": (storage, [tokens, len(manifest["aux_layer_ids"]) * hidden]),
+        "final": (storage, [tokens, hidden]),
+    }
+
+
+def _describe(dtype: Any, shape: Any) -> str:
+    return f"{dtype} [{', '.join(str(d) for d in shape)}]" if isinstance(shape, list) else f"{dtype} {shape!r}"
+
+
 class CacheReader:
-    """Serves one conversation at a time from a complete cache, checking identity and shard checksums.
+    """Serves one conversation at a time from a complete cache, checking its identity and each shard's size and
+    header the first time the shard is read.
 
     ``reader[i]`` -> {"input_ids": int64[T], "loss_mask": int64[T], "aux": [T, 3H], "final": [T, H]} in the storage
-    dtype. Shards are memory-mapped; each shard's checksum is verified the first time it is read (``verify``).
+    dtype. Shards are memory-mapped. Their checksums were verified when they were written; ``verify`` re-hashes
+    every shard now, before the first read (``verify_all``), for a cache suspected of damage.
     """
 
-    def __init__(self, path: str | Path, expect: CacheIdentity | None = None, verify: bool = True):
+    def __init__(self, path: str | Path, expect: CacheIdentity | None = None, verify: bool = False):
         self.path = Path(path)
         manifest_path = self.path / "manifest.json"
         if not manifest_path.is_file():
@@ -257,8 +348,6 @@ class CacheReader:
                     f"{self.path} was built for something else:\n  " + "\n  ".join(problems),
                     fix="use the verifier and settings the cache was built with, or build a cache for these",
                 )
-        self.verify = verify
-        self._verified: set[int] = set()
         self._handles: dict[int, Any] = {}
         self._where: list[tuple[int, int]] = [(-1, -1)] * self.manifest["num_conversations"]
         self._lengths: list[int] = [0] * self.manifest["num_conversations"]
@@ -268,6 +357,8 @@ class CacheReader:
                 self._where[conv] = (s, local)
             for conv, n in zip(shard["index"], shard["lengths"]):
                 self._lengths[conv] = n
+        if verify:
+            self.verify_all()
 
     @property
     def identity(self) -> CacheIdentity:
@@ -298,23 +389,57 @@ class CacheReader:
         except (FileNotFoundError, ValueError) as e:
             raise CacheError(f"{self.path}: {e}", fix="rebuild the cache with `fledge cache cache.overwrite=true`") from e
 
+    def _damaged(self, path: Path, what: str) -> CacheError:
+        return CacheError(
+            f"{path}: damaged shard: {what}",
+            fix=f"delete {self.path / 'manifest.json'} and rerun `fledge cache` with the settings the cache was built "
+            f"with: it re-hashes the shards and rebuilds the damaged ones (`python -m fledge.data.cache verify "
+            f"{self.path}` checks them all)",
+        )
+
+    def check_shard(self, s: int) -> Path:
+        """The cheap check of shard ``s``, reading a few bytes and no data: the size the manifest records and a
+        header naming the tensors, dtypes and shapes the manifest implies. Returns the shard's path."""
+        record = self.manifest["shards"][s]
+        path = self.path / record["file"]
+        if not path.is_file():
+            raise CacheError(
+                f"{path}: shard missing from the cache",
+                fix=f"delete {self.path / 'manifest.json'} and rerun `fledge cache` with the settings the cache was "
+                "built with: it rebuilds the missing shards",
+            )
+        size = path.stat().st_size
+        if size != record["bytes"]:
+            raise self._damaged(path, f"{size:,} bytes, the manifest records {record['bytes']:,}")
+        try:
+            header, n = read_header(path)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise self._damaged(path, f"unreadable safetensors header ({e})") from e
+        expected = expected_tensors(self.manifest, record)
+        found = {k: (v.get("dtype"), v.get("shape")) for k, v in header.items()}
+        problems = [f"{k} missing (expected {_describe(*want)})" for k, want in expected.items() if k not in found]
+        problems += [f"{k} is {_describe(*found[k])}, expected {_describe(*want)}" for k, want in expected.items()
+                     if k in found and not (found[k][1] == want[1] and found[k][0] in want[0].split("|"))]
+        problems += [f"unexpected tensor {k}" for k in found if k not in expected]
+        if not problems:
+            try:
+                end = max(int(v["data_offsets"][1]) for v in header.values())
+            except (KeyError, IndexError, TypeError, ValueError):
+                end = -1
+            if 8 + n + end != size:
+                problems.append(f"the header's data does not end at the end of the {size:,}-byte file")
+        if problems:
+            raise self._damaged(path, "; ".join(problems))
+        return path
+
     def _shard(self, s: int):
         if s not in self._handles:
-            record = self.manifest["shards"][s]
-            path = self.path / record["file"]
-            if not path.is_file():
-                raise CacheError(f"{path}: shard missing from the cache", fix="rerun `fledge cache` to rebuild it")
-            if self.verify and s not in self._verified:
-                if path.stat().st_size != record["bytes"] or sha256_file(path) != record["sha256"]:
-                    raise CacheError(
-                        f"{path}: damaged shard (checksum mismatch)", fix="delete it and rerun `fledge cache` to rebuild it"
-                    )
-                self._verified.add(s)
+            path = self.check_shard(s)
             try:
                 handle = safe_open(str(path), "pt")
                 self._offsets[s] = handle.get_tensor("offsets").tolist()
             except Exception as e:  # safetensors raises its own error types for unreadable headers
-                raise CacheError(f"{path}: unreadable shard ({e})", fix="delete it and rerun `fledge cache`") from e
+                raise self._damaged(path, f"unreadable ({e})") from e
             self._handles[s] = handle
         return self._handles[s]
 
@@ -341,6 +466,34 @@ class CacheReader:
             yield self[i]
 
     def verify_all(self) -> None:
-        """Check every shard's checksum now (``fledge cache`` does this before declaring a cache complete)."""
-        for s in range(len(self.manifest["shards"])):
-            self._shard(s)
+        """Re-hash every shard against the manifest now: the full check, for a cache suspected of damage. It reads
+        the whole cache, which is why a read makes only the cheap one (``check_shard``)."""
+        shards = self.manifest["shards"]
+        with tqdm(total=sum(r["bytes"] for r in shards), unit="B", unit_scale=True, desc=f"verify {self.path.name}",
+                  disable=not dist_info().is_main) as bar:
+            for s, record in enumerate(shards):
+                path = self.check_shard(s)
+                found = sha256_file(path)
+                if found != record["sha256"]:
+                    raise self._damaged(path, f"sha256 {found[:12]}..., the manifest records {record['sha256'][:12]}...")
+                bar.update(record["bytes"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fledge.data.cache", description="Check a hidden-state cache.")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    v = sub.add_parser("verify", help="re-hash every shard of a complete cache against its manifest")
+    v.add_argument("dir", help="the cache directory (cache.dir / cache_dir)")
+    args = parser.parse_args(argv)
+    try:
+        reader = CacheReader(args.dir)
+        reader.verify_all()
+    except CacheError as e:
+        print(f"error: {e.one_line()}", file=sys.stderr)
+        return 1
+    print(f"{args.dir}: {len(reader.manifest['shards'])} shards, {reader.manifest['bytes']:,} bytes, all match")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

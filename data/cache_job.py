@@ -87,7 +87,8 @@ def _config_hash(cfg: CacheJobConfig, fingerprint: str) -> str:
     payload = {"verifier": asdict(cfg.verifier), "data": asdict(cfg.data), "fingerprint": fingerprint}
     for placement in ("home", "device_map"):  # where the verifier is kept or placed does not change its states
         payload["verifier"].pop(placement, None)
-    payload["cache"] = {k: v for k, v in asdict(cfg.cache).items() if k not in {"dir", "overwrite", "device", "verify_on_resume"}}
+    unbound = {"dir", "overwrite", "device", "verify_on_resume", "verify_on_read"}  # how it is built or read, not what
+    payload["cache"] = {k: v for k, v in asdict(cfg.cache).items() if k not in unbound}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from fledge.core.files import sha256_file
 from fledge.data.cache import CacheError, CacheReader, plan_shards
 from fledge.launch.cli import run_stage
 
@@ -130,17 +131,105 @@ def test_kill_minus_nine_at_a_random_moment(built, tiny_verifier_dir, tmp_path):
     assert shard_bytes(cache_dir) == shard_bytes(clean)
 
 
-def test_damaged_shard_is_detected(built, tmp_path):
-    _, clean = built
+def damaged_copy(clean: Path, tmp_path: Path, k: int = 1) -> tuple[Path, Path, list[int]]:
+    """A copy of the clean cache, its k-th shard file and the conversations that shard holds."""
     cache_dir = tmp_path / "damaged"
     shutil.copytree(clean, cache_dir)
-    victim = sorted((cache_dir / "shards").glob("shard-*.safetensors"))[1]
+    victim = sorted((cache_dir / "shards").glob("shard-*.safetensors"))[k]
+    convs = json.loads((cache_dir / "manifest.json").read_text())["shards"][k]["index"]
+    return cache_dir, victim, convs
+
+
+def test_truncated_shard_is_refused_on_read_and_the_fix_rebuilds_it(built, tiny_verifier_dir, tmp_path):
+    source, clean = built
+    cache_dir, victim, convs = damaged_copy(clean, tmp_path)
+    victim.write_bytes(victim.read_bytes()[:-1])
+    reader = CacheReader(cache_dir)
+    reader[next(i for i in range(len(reader)) if i not in convs)]  # the other shards still serve
+    with pytest.raises(CacheError, match=f"{victim.name}: damaged shard: .* bytes, the manifest records") as e:
+        reader[convs[0]]
+    assert "manifest.json" in e.value.fix and "python -m fledge.data.cache verify" in e.value.fix
+    # The fix as it says: drop the manifest and rerun the cache; only the damaged shard is rewritten.
+    (cache_dir / "manifest.json").unlink()
+    run_stage("cache", cache_overrides(tiny_verifier_dir, source, cache_dir))
+    assert shard_bytes(cache_dir) == shard_bytes(clean)
+
+
+def test_flipped_byte_passes_the_cheap_check_and_not_the_full_one(built, tmp_path, capsys):
+    from fledge.data.cache import main
+
+    _, clean = built
+    cache_dir, victim, convs = damaged_copy(clean, tmp_path)
     data = bytearray(victim.read_bytes())
-    data[-10] ^= 0xFF
+    data[-10] ^= 0xFF  # in the last tensor's data; the size and the header are intact
     victim.write_bytes(bytes(data))
     reader = CacheReader(cache_dir)
-    with pytest.raises(CacheError, match=f"{victim.name}.*damaged"):
+    assert [len(row["input_ids"]) for row in reader] == reader.lengths()  # reading sees nothing wrong
+    with pytest.raises(CacheError, match=f"{victim.name}: damaged shard: sha256"):
         reader.verify_all()
+    with pytest.raises(CacheError, match=f"{victim.name}: damaged shard: sha256"):
+        CacheReader(cache_dir, verify=True)  # what cache.verify_on_read=true passes
+    assert main(["verify", str(cache_dir)]) == 1
+    assert victim.name in capsys.readouterr().err
+    assert main(["verify", str(clean)]) == 0
+
+
+def test_header_naming_another_shape_is_refused_on_read(built, tmp_path):
+    _, clean = built
+    cache_dir, victim, convs = damaged_copy(clean, tmp_path)
+    data = victim.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    tokens, width = header["aux"]["shape"]
+    assert tokens != width
+    header["aux"]["shape"] = [width, tokens]  # as many bytes: safetensors itself would serve it
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= n
+    victim.write_bytes(data[:8] + text.ljust(n) + data[8 + n:])
+    with pytest.raises(CacheError, match=(rf"{victim.name}: damaged shard: aux is BF16 \[{width}, {tokens}\], "
+                                          rf"expected BF16 \[{tokens}, {width}\]")):
+        CacheReader(cache_dir)[convs[0]]
+
+
+def test_reading_hashes_nothing(built, monkeypatch):
+    import fledge.data.cache as cache_module
+
+    _, clean = built
+
+    def refuse(path):
+        raise AssertionError(f"hashed {path} on read")
+
+    monkeypatch.setattr(cache_module, "sha256_file", refuse)
+    reader = CacheReader(clean)
+    assert [len(row["input_ids"]) for row in reader] == reader.lengths()
+    with pytest.raises(AssertionError, match="hashed"):  # the patch is where the full check hashes
+        CacheReader(clean, verify=True)
+
+
+def test_writer_refuses_a_shard_that_reads_back_other_than_written(tmp_path, monkeypatch):
+    import fledge.data.cache as cache_module
+
+    write = cache_module._write_bytes
+
+    def write_then_flip(path, data):
+        write(path, data)
+        with open(path, "r+b") as fh:
+            fh.seek(-1, os.SEEK_END)
+            last = fh.read(1)
+            fh.seek(-1, os.SEEK_END)
+            fh.write(bytes([last[0] ^ 1]))
+
+    monkeypatch.setattr(cache_module, "_write_bytes", write_then_flip)
+    (tmp_path / "shards").mkdir()
+    rows = [torch.arange(n) for n in (3, 5)]
+    with pytest.raises(CacheError, match="shard-00000.safetensors: the shard read back differs from what was written"):
+        cache_module.write_shard(tmp_path, 0, [0, 1], rows, [torch.ones(len(r)) for r in rows],
+                                 [torch.zeros(len(r), 6) for r in rows], [torch.zeros(len(r), 2) for r in rows])
+    assert not list((tmp_path / "shards").iterdir())  # neither the shard, nor its sidecar, nor a temporary
+    monkeypatch.setattr(cache_module, "_write_bytes", write)
+    record = cache_module.write_shard(tmp_path, 0, [0, 1], rows, [torch.ones(len(r)) for r in rows],
+                                      [torch.zeros(len(r), 6) for r in rows], [torch.zeros(len(r), 2) for r in rows])
+    assert record["sha256"] == sha256_file(tmp_path / record["file"])
 
 
 def test_mismatched_verifier_is_refused(built, tmp_path_factory, smollm_tokenizer, tiny_verifier_dir):

@@ -370,7 +370,7 @@ def open_training_data(cfg: TrainJobConfig, info: DistInfo, device: torch.device
         return OnlineSource.open(cfg.verifier, cfg.data, cfg.cache, info, device, cfg.cache_dir)
     if cfg.data.mode == "cache_first_epoch":
         return FirstEpochSource.open_or_cache(cfg.verifier, cfg.data, cfg.cache, cfg.cache_dir, info, device)
-    return CacheReader(cfg.cache_dir)
+    return CacheReader(cfg.cache_dir, verify=cfg.cache.verify_on_read)
 
 
 def finish_first_epoch(reader: FirstEpochSource, data: sampler.Prefetcher, info: DistInfo) -> None:
@@ -394,7 +394,7 @@ def split_data(cfg: TrainJobConfig, reader: TrainingData) -> tuple[list[int], Tr
             fix="lower eval.holdout or cache more conversations",
         )
     if cfg.eval.cache_dir:
-        other = CacheReader(cfg.eval.cache_dir)
+        other = CacheReader(cfg.eval.cache_dir, verify=cfg.cache.verify_on_read)
         for key in ("aux_layer_ids", "hidden_size"):
             if other.manifest[key] != reader.manifest[key]:
                 raise MismatchError(
