@@ -15,6 +15,25 @@ from fledge.eval.verifier_state import DecodeResult, clock, stop_index
 from fledge.models.sampling import SamplingParams
 
 
+def _generation_config(max_new_tokens: int, sampling: SamplingParams, stop_ids: frozenset[int],
+                       pad: int | None = None):
+    """A fresh generation config (none of the checkpoint's own defaults, such as a repetition penalty, that plain
+    decoding does not apply): the same sampling, stops and length as fledge's loops."""
+    from transformers import GenerationConfig
+
+    stops = sorted(stop_ids)
+    return GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=not sampling.greedy,
+        temperature=sampling.temperature if not sampling.greedy else 1.0,
+        top_k=sampling.top_k or None,
+        top_p=sampling.top_p,
+        eos_token_id=stops or None,
+        pad_token_id=pad if pad is not None else (stops[0] if stops else None),
+        use_cache=True,
+    )
+
+
 @torch.inference_mode()
 def generate_hf(
     model: nn.Module,
@@ -27,20 +46,8 @@ def generate_hf(
 ) -> DecodeResult:
     """Decode with ``model.generate`` under a fresh generation config (none of the checkpoint's own defaults, such
     as a repetition penalty, that plain decoding does not apply); tokens cut as the other loops cut them."""
-    from transformers import GenerationConfig
-
     device = model.get_input_embeddings().weight.device
-    stops = sorted(stop_ids)
-    config = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        do_sample=not sampling.greedy,
-        temperature=sampling.temperature if not sampling.greedy else 1.0,
-        top_k=sampling.top_k or None,
-        top_p=sampling.top_p,
-        eos_token_id=stops or None,
-        pad_token_id=stops[0] if stops else None,
-        use_cache=True,
-    )
+    config = _generation_config(max_new_tokens, sampling, stop_ids)
     ids = prompt_ids.to(device).view(1, -1)
     if not sampling.greedy:
         torch.manual_seed(seed)  # generate samples from torch's global generator
@@ -64,21 +71,10 @@ def generate_hf_batch(
 ) -> tuple[list[DecodeResult], float]:
     """``model.generate`` over the prompts as one left-padded batch, as fledge's batched plain loop decodes them:
     each row's tokens (cut as the other loops cut them) and the batch's wall time."""
-    from transformers import GenerationConfig
-
     device = model.get_input_embeddings().weight.device
     stops = sorted(stop_ids)
     pad = stops[0] if stops else 0
-    config = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        do_sample=not sampling.greedy,
-        temperature=sampling.temperature if not sampling.greedy else 1.0,
-        top_k=sampling.top_k or None,
-        top_p=sampling.top_p,
-        eos_token_id=stops or None,
-        pad_token_id=pad,
-        use_cache=True,
-    )
+    config = _generation_config(max_new_tokens, sampling, stop_ids, pad)
     longest = max(int(p.numel()) for p in prompts)
     ids = torch.full((len(prompts), longest), pad, dtype=torch.long)
     mask = torch.zeros((len(prompts), longest), dtype=torch.long)
