@@ -52,3 +52,15 @@ test-repeat: $(STAMP)
 .PHONY: vllm-env
 vllm-env:
 	bash launch/vllm_env.sh
+
+# Wheels for a machine with no network (a lent GPU machine, whose image has torch's CUDA build): fledge's own and
+# each dependency that image lacks, for Python 3.12 on Linux x86_64, into wheelhouse/ (torch is never fetched), with
+# the default verifier's tokenizer; it ends by checking that the wheelhouse and the tree fit what one GPU run can
+# carry. There: `launch/install_offline.sh && launch/gpu_smoke.sh` (or `make install-offline`). See
+# launch/install_offline.sh for the variables (TARGET_HAS, TARGET_PYTHON, WHEELHOUSE).
+.PHONY: wheels install-offline
+wheels: $(STAMP)
+	PYTHON=$(BIN)/python bash launch/install_offline.sh build
+
+install-offline:
+	bash launch/install_offline.sh install
