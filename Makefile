@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.fledge-installed
 
-.PHONY: setup quickstart test test-fast test-repeat bench shipped-data clean
+.PHONY: setup quickstart test test-fast test-smoke test-repeat bench shipped-data clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,13 +21,17 @@ setup: $(STAMP)
 quickstart: $(STAMP)
 	$(BIN)/fledge quickstart
 
-# Everything, the multi-process and kill/resume tests included (~13 min on 2 cores).
+# Everything but the GPU script's CPU run, the multi-process and kill/resume tests included (~13 min on 2 cores).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not smoke"
 
 # Without the tests marked slow (~2.5 min).
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow and not smoke"
+
+# launch/gpu_smoke.sh on the CPU, in pieces (~3.5 min on 2 cores): the CUDA parts skip with a line each.
+test-smoke: $(STAMP)
+	$(BIN)/python -m pytest -q -m smoke
 
 bench: $(STAMP)
 	$(BIN)/fledge bench cache

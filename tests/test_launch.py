@@ -137,7 +137,7 @@ def test_gpu_smoke_refuses_device_cuda_where_there_is_none(tmp_path):
     assert proc.returncode == 2 and "no CUDA device is visible" in proc.stderr, proc.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.smoke
 def test_gpu_smoke_on_cpu_skips_the_cuda_parts_and_prints_the_bench_labels(tmp_path):
     proc = run_smoke(tmp_path, "tests bench")
     out = proc.stdout
@@ -153,7 +153,7 @@ def test_gpu_smoke_on_cpu_skips_the_cuda_parts_and_prints_the_bench_labels(tmp_p
     assert "smoke_bench_train seq=128" in summary and "gpu_smoke.sh: all steps passed (cpu" in summary
 
 
-@pytest.mark.slow
+@pytest.mark.smoke
 def test_gpu_smoke_on_cpu_trains_under_deepspeed_is_preempted_resumes_and_compares(tmp_path):
     proc = run_smoke(tmp_path, "verifier cache train ratio online", timeout=900)
     out = proc.stdout
