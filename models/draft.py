@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from fledge.core.errors import ConfigError, MismatchError
@@ -333,11 +334,13 @@ class DraftKVCache:
 
 
 class TTTCache:
-    """Keys/values of the training-time-test unroll: one [B, kv_heads, T, d] entry per step taken so far."""
+    """Keys/values of the training-time-test unroll: one [B, kv_heads, T, d] entry per step taken so far.
+    ``query_chunk``: see ``ttt_attention`` (0: the whole sequence at once)."""
 
-    def __init__(self) -> None:
+    def __init__(self, query_chunk: int = 0) -> None:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
+        self.query_chunk = query_chunk
 
     @property
     def steps(self) -> int:
@@ -350,7 +353,7 @@ class TTTCache:
             raise ValueError(f"TTT step keys {tuple(k.shape)} differ from step 0's {tuple(self.keys[0].shape)}")
         self.keys.append(k)
         self.values.append(v)
-        return ttt_attention(q, self.keys, self.values)
+        return ttt_attention(q, self.keys, self.values, self.query_chunk)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
@@ -360,7 +363,9 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
 
 
-def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+def ttt_attention(
+    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], query_chunk: int = 0
+) -> torch.Tensor:
     """Attention of step k = len(keys) - 1 of the TTT unroll, without a dense [T, k*T] mask.
 
     q [B, H, T, d]; keys/values: one [B, Hkv, T, d] per step 0..k. The query at position t attends to the step-0
@@ -368,23 +373,52 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
     step 0 are one [T, T] matrix product; each later step contributes one score per query (a dot product on the
     diagonal); a single softmax runs over their concatenation. Equal to dense attention over the concatenated
     keys with the block mask [tril | eye | ... | eye] (tests/test_ttt.py checks forward and gradients).
+
+    With ``query_chunk`` > 0 and T longer than it, the queries go in blocks of that many rows: a block sees the
+    step-0 keys up to its last row and its own rows' diagonal keys, and under autograd each block is recomputed in
+    the backward (``torch.utils.checkpoint``) instead of keeping its scores and probabilities. The [B, H, T, T+k]
+    probabilities of every step of the unroll, the largest activation of a long sequence, then exist for one block
+    at a time: peak attention memory O(chunk·T) instead of O(k·T²), at the cost of a second forward of the attention.
     """
-    b, h, t, d = q.shape
-    hkv = keys[0].shape[1]
+    t = q.shape[2]
+    if query_chunk <= 0 or t <= query_chunk:
+        return _ttt_attention_rows(q, keys[0], values[0], keys[1:], values[1:], 0)
+    recompute = torch.is_grad_enabled() and any(x.requires_grad for x in [q, *keys, *values])
+    blocks = []
+    for start in range(0, t, query_chunk):
+        end = min(start + query_chunk, t)
+        args = (q[:, :, start:end], keys[0][:, :, :end], values[0][:, :, :end],
+                [k[:, :, start:end] for k in keys[1:]], [v[:, :, start:end] for v in values[1:]], start)
+        if recompute:
+            blocks.append(torch.utils.checkpoint.checkpoint(_ttt_attention_rows, *args, use_reentrant=False))
+        else:
+            blocks.append(_ttt_attention_rows(*args))
+    return torch.cat(blocks, dim=2)
+
+
+def _ttt_attention_rows(
+    q: torch.Tensor, key0: torch.Tensor, value0: torch.Tensor, diag_keys: list[torch.Tensor],
+    diag_values: list[torch.Tensor], start: int,
+) -> torch.Tensor:
+    """Query rows ``start .. start + n`` (q [B, H, n, d]) against the step-0 keys ``0 .. start + n`` and their own
+    rows' keys of the later steps (each [B, Hkv, n, d])."""
+    b, h, n, d = q.shape
+    hkv = key0.shape[1]
     group = h // hkv
-    # Grouped-query attention by broadcasting: [B, Hkv, group, T, d] queries against [B, Hkv, 1, T, d] keys.
-    qg = q.reshape(b, hkv, group, t, d) * (1.0 / math.sqrt(d))
-    scores0 = torch.matmul(qg, keys[0].unsqueeze(2).transpose(-1, -2))  # [B, Hkv, g, T, T]
-    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    # Grouped-query attention by broadcasting: [B, Hkv, group, n, d] queries against [B, Hkv, 1, T, d] keys.
+    qg = q.reshape(b, hkv, group, n, d) * (1.0 / math.sqrt(d))
+    scores0 = torch.matmul(qg, key0.unsqueeze(2).transpose(-1, -2))  # [B, Hkv, g, n, start + n]
+    causal = torch.ones(n, key0.shape[2], dtype=torch.bool, device=q.device).tril(diagonal=start)
     scores0 = scores0.masked_fill(~causal, float("-inf"))
-    diagonal = [(qg * k_i.unsqueeze(2)).sum(-1, keepdim=True).to(scores0.dtype) for k_i in keys[1:]]
+    diagonal = [(qg * k_i.unsqueeze(2)).sum(-1, keepdim=True).to(scores0.dtype) for k_i in diag_keys]
     # Softmax in float32 (as the reference implementations do): under bf16 autocast the scores are bf16.
     scores = torch.cat([scores0, *diagonal], dim=-1)
-    probs = scores.softmax(dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(values[0].dtype)
-    out = torch.matmul(probs[..., :t], values[0].unsqueeze(2))
-    for i, v_i in enumerate(values[1:]):
-        out = out + probs[..., t + i : t + i + 1] * v_i.unsqueeze(2)
-    return out.reshape(b, h, t, d)
+    probs = scores.softmax(dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(value0.dtype)
+    width = key0.shape[2]
+    out = torch.matmul(probs[..., :width], value0.unsqueeze(2))
+    for i, v_i in enumerate(diag_values):
+        out = out + probs[..., width + i : width + i + 1] * v_i.unsqueeze(2)
+    return out.reshape(b, h, n, d)
 
 
 class Eagle3Attention(nn.Module):

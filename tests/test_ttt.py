@@ -92,8 +92,10 @@ def random_head(draft: Eagle3Draft, seed: int = 0) -> torch.Tensor:
     return 2.0 * torch.randn(draft.config.vocab_size, draft.config.target_hidden_size, generator=g, dtype=torch.float64)
 
 
+@pytest.mark.parametrize("chunk", [0, 3, 7], ids=["whole", "blocks-of-3", "one-block"])
 @pytest.mark.parametrize("steps", [1, 2, 4])
-def test_ttt_attention_equals_dense_mask_forward_and_grads(steps: int) -> None:
+def test_ttt_attention_equals_dense_mask_forward_and_grads(steps: int, chunk: int) -> None:
+    """Whole, or in recomputed blocks of query rows (3: blocks of 3, 3 and 1 rows; 7: the whole as one block)."""
     g = torch.Generator().manual_seed(steps)
     b, h, hkv, t, d = 2, 4, 2, 7, 8
     q = torch.randn(b, h, t, d, generator=g, dtype=torch.float64, requires_grad=True)
@@ -101,7 +103,7 @@ def test_ttt_attention_equals_dense_mask_forward_and_grads(steps: int) -> None:
     values = [torch.randn(b, hkv, t, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(steps)]
     weights = torch.randn(b, h, t, d, generator=g, dtype=torch.float64)
 
-    out = ttt_attention(q, keys, values)
+    out = ttt_attention(q, keys, values, chunk)
     ref = dense_ttt_attention(q, keys, values)
     torch.testing.assert_close(out, ref, **TOL)
     grads = torch.autograd.grad((out * weights).sum(), [q, *keys, *values])
@@ -110,8 +112,10 @@ def test_ttt_attention_equals_dense_mask_forward_and_grads(steps: int) -> None:
         torch.testing.assert_close(got, want, **TOL)
 
 
-def test_unroll_through_the_model_equals_dense_reference() -> None:
-    """The whole unroll (RoPE, GQA, feedback of hidden states) with the efficient cache against the dense one."""
+@pytest.mark.parametrize("chunk", [0, 4])
+def test_unroll_through_the_model_equals_dense_reference(chunk: int) -> None:
+    """The whole unroll (RoPE, GQA, feedback of hidden states) with the efficient cache against the dense one, the
+    attention whole or in recomputed blocks of 4 query rows."""
     draft = tiny_draft()
     batch = random_batch(draft, 2, 9)
     steps = 4
@@ -120,7 +124,7 @@ def test_unroll_through_the_model_equals_dense_reference() -> None:
         draft.zero_grad(set_to_none=True)
         fused = draft.fuse(batch["aux"])
         if cache_cls is None:
-            outs = list(ttt_unroll(draft, fused, batch["input_ids"], steps))
+            outs = list(ttt_unroll(draft, fused, batch["input_ids"], steps, chunk))
         else:
             cache, hidden, outs = cache_cls(), fused, []
             for k in range(steps):
@@ -148,6 +152,9 @@ def test_unroll_equals_inference_chain() -> None:
     with torch.no_grad():
         fused = draft.fuse(batch["aux"])
         unrolled = list(ttt_unroll(draft, fused, ids, steps))
+        # in blocks of 3 query rows (no autograd here, so no recompute): the same hidden states
+        for got, want in zip(ttt_unroll(draft, fused, ids, steps, 3), unrolled):
+            torch.testing.assert_close(got, want, **TOL)
         for anchor in (0, 3, 5):
             cache = DraftKVCache()
             out = draft(fused[:, : anchor + 1], ids[:, 1 : anchor + 2], torch.arange(anchor + 1), kv_cache=cache)

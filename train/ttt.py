@@ -50,12 +50,18 @@ class TTTConfig:
     """Loss weight of step i is step_decay**i."""
     teacher_chunk: int = 1024
     """Positions per chunk when computing the teacher: full-vocabulary logits exist for one chunk at a time."""
+    attention_chunk: int = 2048
+    """Sequences longer than this run the TTT attention in blocks of this many query rows, each recomputed in the
+    backward rather than kept (``models.draft.ttt_attention``); 0 never does. Same numbers, less memory, a second
+    forward of the attention."""
 
     def __post_init__(self) -> None:
         if self.ttt_steps < 1:
             raise ConfigError(f"ttt.ttt_steps must be >= 1, got {self.ttt_steps}")
         if not 0.0 < self.step_decay <= 1.0:
             raise ConfigError(f"ttt.step_decay must lie in (0, 1], got {self.step_decay}")
+        if self.attention_chunk < 0:
+            raise ConfigError(f"ttt.attention_chunk must be >= 0 (0: off), got {self.attention_chunk}")
         if self.teacher_chunk < 1:
             raise ConfigError(f"ttt.teacher_chunk must be >= 1, got {self.teacher_chunk}")
 
@@ -99,13 +105,16 @@ def shift_left(x: torch.Tensor, n: int, fill: float | int | bool = 0) -> torch.T
     return torch.cat((x[:, n:], pad), dim=1)
 
 
-def ttt_unroll(draft: Eagle3Draft, fused: torch.Tensor, input_ids: torch.Tensor, steps: int) -> Iterator[torch.Tensor]:
+def ttt_unroll(
+    draft: Eagle3Draft, fused: torch.Tensor, input_ids: torch.Tensor, steps: int, attention_chunk: int = 0
+) -> Iterator[torch.Tensor]:
     """Yield the draft's output hidden states [B, T, H] of steps 0 .. steps-1 (alignment in the module docstring).
 
     fused: fc(aux) [B, T, H]; input_ids [B, T] (the sequence x). Gradients flow through the whole chain, as in
-    the official code: a step's loss also trains the earlier steps that produced its input.
+    the official code: a step's loss also trains the earlier steps that produced its input. ``attention_chunk``:
+    ``TTTConfig.attention_chunk``.
     """
-    cache = TTTCache()
+    cache = TTTCache(attention_chunk)
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)
     hidden = fused
     for k in range(steps):
@@ -139,7 +148,7 @@ def ttt_forward(
     total = fused.new_zeros((), dtype=torch.float32)
     zero = torch.zeros((), dtype=torch.float32, device=input_ids.device)
     metrics: dict[str, torch.Tensor] = {}
-    for k, hidden in enumerate(ttt_unroll(draft, fused, input_ids, cfg.ttt_steps)):
+    for k, hidden in enumerate(ttt_unroll(draft, fused, input_ids, cfg.ttt_steps, cfg.attention_chunk)):
         counted = shift_left(trained, k + 2, False) & shift_left(in_vocab, k + 1, False)
         rows, cols = counted.nonzero(as_tuple=True)
         if k == 0:
