@@ -59,6 +59,12 @@ class Divergence:
         return asdict(self)
 
 
+ROUNDING_SAMPLE = 8
+"""δ is the largest rounding error among the two tokens and the position's top-8 float32 logits: the measured forward
+is one draw of the rounding, and the loop's own forward (another shape) is another, so δ takes a high quantile of the
+errors of logits of that size rather than the two tokens' own errors alone."""
+
+
 def tie_band(exact: torch.Tensor, rounded: torch.Tensor, a: torch.Tensor, b: torch.Tensor, eps: float,
              tolerance: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(gap, δ, threshold) of token pairs ``a``, ``b`` [n] at rows of float32 logits ``exact`` [n, V] and their
@@ -66,7 +72,9 @@ def tie_band(exact: torch.Tensor, rounded: torch.Tensor, a: torch.Tensor, b: tor
     rows = torch.arange(exact.shape[0], device=exact.device)
     ea, eb = exact[rows, a], exact[rows, b]
     gap = (ea - eb).abs()
-    rounding = torch.maximum((rounded[rows, a] - ea).abs(), (rounded[rows, b] - eb).abs())
+    top = exact.topk(min(ROUNDING_SAMPLE, exact.shape[-1]), dim=-1).indices
+    errors = (rounded.gather(-1, top) - exact.gather(-1, top)).abs().amax(dim=-1)
+    rounding = torch.maximum(errors, torch.maximum((rounded[rows, a] - ea).abs(), (rounded[rows, b] - eb).abs()))
     threshold = 2 * rounding + tolerance * eps * torch.maximum(ea.abs(), eb.abs())
     return gap, rounding, threshold
 
