@@ -101,7 +101,8 @@ class EvalConfig:
     tie_tolerance: float = DEFAULT_TIE_TOLERANCE
     """Greedy only: where a drafter's output parts from plain greedy decoding, the two competing tokens' float32
     logit gap counts as a numerical tie when it is within 2δ (δ: the rounding the evaluation's dtype measured at that
-    position) plus this many eps·|logit| (``eval/ties.py``); beyond it, a mismatch, and ``fledge eval`` fails."""
+    position) plus this many eps·max(|l_a|, |l_b|), about an ulp of the two logits (``eval/ties.py``); beyond it, a
+    mismatch, and ``fledge eval`` fails. The same band judges every position ``recheck`` checks."""
     recheck: bool = True
     """Greedy only: check every position of every output (plain decoding's too) against one float32 forward over it
     (``TieJudge.recheck``): a token that is not the verifier's argmax after its own prefix, beyond the tie band, is a
