@@ -39,7 +39,7 @@ from fledge.eval.metrics import (
 )
 from fledge.eval.proposals import Drafter, TreeShape
 from fledge.eval.sampling import seeded_generator
-from fledge.eval.ties import DEFAULT_TIE_TOLERANCE, TieJudge
+from fledge.eval.ties import DEFAULT_TIE_TOLERANCE, TieJudge, recheck_summary
 from fledge.eval.tree import generate_tree
 from fledge.eval.tune import CostModel, measure_verify_cost
 from fledge.eval.verifier_state import ROUND_PARTS, DecodeResult, generate_plain
@@ -293,7 +293,7 @@ def evaluate(
                 runs[name].append(_run(verifier, ids, drafter, methods[name], cfg, stop_ids, cfg.max_new_tokens))
         base = _baseline_summary(plain, hf, greedy)
         if judge is not None and cfg.recheck:
-            base["recheck"] = recheck_summary(judge, encoded, plain)
+            base["recheck"] = recheck_summary(judge, encoded, [r.tokens for r in plain])
         floors = (_round_floors(verifier, encoded[0][1], set(methods.values()), cfg, aux_ids)
                   if cfg.round_floor and named else None)
         set_report = {"num_prompts": len(encoded), "baseline": base, "drafters": {}}
@@ -560,27 +560,8 @@ def _greedy_outcome(
         "greedy_mismatches": mismatches,
     }
     if recheck:
-        outcome["recheck"] = recheck_summary(judge, encoded, results)
+        outcome["recheck"] = recheck_summary(judge, encoded, [r.tokens for r in results])
     return outcome
-
-
-def recheck_summary(judge: TieJudge, encoded: list[tuple[Any, torch.Tensor]], results: list[DecodeResult]) -> dict:
-    """Every position of ``results`` against the verifier's float32 argmax (``TieJudge.recheck``): counts, each
-    off-argmax position, and the tie band in logits (median, 90th percentile and largest over positions)."""
-    checks = [judge.recheck(pid, ids, r.tokens) for (pid, ids), r in zip(encoded, results)]
-    bands = sorted(b for c in checks for b in c.bands)
-
-    def quantile(q: float) -> float | None:
-        return bands[min(int(q * len(bands)), len(bands) - 1)] if bands else None
-
-    return {
-        "positions": sum(c.positions for c in checks),
-        "ties": sum(len(c.ties) for c in checks),
-        "mismatches": sum(len(c.mismatches) for c in checks),
-        "tie_band_logits": {"median": quantile(0.5), "p90": quantile(0.9), "max": bands[-1] if bands else None},
-        "off_argmax": [{"id": c.id, "kind": kind, **row} for c in checks
-                       for kind, rows in (("tie", c.ties), ("mismatch", c.mismatches)) for row in rows],
-    }
 
 
 def mismatch_lines(report: dict[str, Any]) -> list[str]:

@@ -160,3 +160,23 @@ class TieJudge:
 
     def close(self) -> None:
         self._reference = self.model if self.dtype == torch.float32 else None
+
+
+def recheck_summary(judge: TieJudge, encoded: list[tuple[object, torch.Tensor]], outputs: list[list[int]]) -> dict:
+    """Every position of ``outputs`` (one greedy output per (id, prompt ids) of ``encoded``) against the verifier's
+    float32 argmax (``TieJudge.recheck``): counts, each off-argmax position, and the tie band in logits (median,
+    90th percentile and largest over positions)."""
+    checks = [judge.recheck(str(pid), ids, tokens) for (pid, ids), tokens in zip(encoded, outputs)]
+    bands = sorted(b for c in checks for b in c.bands)
+
+    def quantile(q: float) -> float | None:
+        return bands[min(int(q * len(bands)), len(bands) - 1)] if bands else None
+
+    return {
+        "positions": sum(c.positions for c in checks),
+        "ties": sum(len(c.ties) for c in checks),
+        "mismatches": sum(len(c.mismatches) for c in checks),
+        "tie_band_logits": {"median": quantile(0.5), "p90": quantile(0.9), "max": bands[-1] if bands else None},
+        "off_argmax": [{"id": c.id, "kind": kind, **row} for c in checks
+                       for kind, rows in (("tie", c.ties), ("mismatch", c.mismatches)) for row in rows],
+    }
