@@ -26,6 +26,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from fledge.core.errors import ConfigError, MismatchError
+from fledge.models.fused_ce import fused_soft_cross_entropy
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -498,6 +499,24 @@ class Eagle3DecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
+class DraftHead(nn.Linear):
+    """``lm_head``: a linear layer over the draft vocabulary which, given the teacher, returns its own fused, chunked
+    soft cross-entropy instead of logits (``models.fused_ce``). The loss goes through the module's own call, so that
+    ZeRO-3 gathers the weight for it as for any forward."""
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        teacher: torch.Tensor | None = None,
+        index: torch.Tensor | None = None,
+        row_weight: torch.Tensor | None = None,
+        chunk: int = 1024,
+    ):
+        if teacher is None:
+            return super().forward(x)
+        return fused_soft_cross_entropy(x, self.weight, teacher, index, row_weight, chunk)
+
+
 class Eagle3Draft(nn.Module):
     def __init__(self, config: Eagle3Config, seed: int | None = None) -> None:
         super().__init__()
@@ -507,7 +526,7 @@ class Eagle3Draft(nn.Module):
         self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        self.lm_head = DraftHead(config.hidden_size, config.draft_vocab_size, bias=False)
         # Identity mapping until set_draft_vocab: draft token i is verifier token i.
         t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
         t2d[: config.draft_vocab_size] = True

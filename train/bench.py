@@ -122,8 +122,9 @@ def train_step_flops(
     """Model FLOPs of one training step by part; ``counted[k]`` = positions the loss counts at step k.
 
     ``causal=False`` counts the step-0 attention over all T x T query-key pairs and leaves out the per-step
-    diagonal terms, which is what the implementation executes as matrix products (tests compare against
-    torch's FLOP counter that way); MFU uses the causal count."""
+    diagonal terms, and adds the loss's row dot products (``models/fused_ce.py`` runs them as a batched product),
+    which is what the implementation executes as matrix products (tests compare against torch's FLOP counter that
+    way); MFU uses the causal count."""
     tokens = batch * seq
     h, q_out, kv_out = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     fwd_fc = 2 * tokens * 3 * c.target_hidden_size * h
@@ -143,6 +144,8 @@ def train_step_flops(
         "lm_head": 3 * fwd_head,
         "teacher_head (frozen, 1x)": 2 * tokens * c.target_hidden_size * c.vocab_size,
     }
+    if not causal:
+        parts["loss dot products"] = sum(2 * n * c.draft_vocab_size for n in counted)
     parts["total"] = sum(parts.values())
     return parts
 

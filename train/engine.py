@@ -37,7 +37,7 @@ from fledge.core.dist import TIMEOUT_MINUTES, DistInfo, backend_for, dist_info, 
 from fledge.core.dist import init_process_group as join_process_group
 from fledge.core.errors import ConfigError
 from fledge.train.config import TrainConfig
-from fledge.train.ttt import TTTConfig, ttt_forward
+from fledge.train.ttt import TeacherHead, TTTConfig, ttt_forward
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +79,9 @@ class TTTModule(nn.Module):
         super().__init__()
         self.draft = draft
         # A plain attribute, neither parameter nor buffer: DDP would broadcast it and ZeRO-3 partition it, and
-        # checkpoints would store a copy of the verifier's head.
-        self.verifier_head = verifier_head
+        # checkpoints would store a copy of the verifier's head. Split at the draft vocabulary (installed by now and
+        # fixed from here on) into the parts the teacher reads; the caller's head can then be let go.
+        self.teacher = TeacherHead(verifier_head, draft.t2d)
         self.ttt = ttt
         self.compute_dtype: str | None = None
         """The dtype the first forward really ran its matrix products in (the autocast dtype inside whatever the
@@ -88,13 +89,13 @@ class TTTModule(nn.Module):
 
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         device = batch["final"].device
-        if self.verifier_head.device != device:
-            self.verifier_head = self.verifier_head.to(device)
+        if self.teacher.device != device:
+            self.teacher = self.teacher.to(device)
         if self.compute_dtype is None:
             on = torch.is_autocast_enabled(device.type)
             dtype = torch.get_autocast_dtype(device.type) if on else self.draft.fc.weight.dtype
             self.compute_dtype = str(dtype).removeprefix("torch.")
-        return ttt_forward(self.draft, batch, self.verifier_head, self.ttt)
+        return ttt_forward(self.draft, batch, self.teacher, self.ttt)
 
 
 DTYPE_NAMES = {"bf16": "bfloat16", "fp32": "float32"}

@@ -228,6 +228,7 @@ def train(cfg: TrainJobConfig, info: DistInfo, device: torch.device) -> TrainRes
     head_shape = (512, draft.config.hidden_size, draft.config.draft_vocab_size)
     train_cfg = dataclasses.replace(cfg.train, dtype=choose_train_dtype(cfg.train.dtype, device, head_shape))
     module = TTTModule(draft, verifier_head, cfg.ttt)
+    del verifier_head  # the module keeps the teacher's split of it
     engine = build_engine(module, train_cfg, cfg.engine, info, device, total_steps)
     eval_set = sampler.eval_batches(
         eval_reader.lengths() if eval_reader else [], eval_ids, cfg.train.micro_batch_size, cfg.train.max_tokens,

@@ -74,6 +74,8 @@ class JobShape:
     optimizer: str = "adamw"
     verifier_bytes: int = 2
     """Bytes per verifier weight when it runs beside training (online): bf16."""
+    loss_chunk: int = 1024
+    """Positions per chunk of the fused head and loss (``ttt.loss_chunk``)."""
 
     @property
     def tokens(self) -> int:
@@ -117,12 +119,15 @@ def ttt_saved_bytes(job: JobShape) -> dict[str, float]:
     q_copy = b > 1 and heads > 1
     kv_copy = (group > 1 and (kv_heads > 1 or b > 1)) or (group == 1 and b > 1 and kv_heads > 1)
     terms = dict.fromkeys(
-        ("loss: teacher and log-softmax over the draft vocabulary", "attention probabilities [T, T+k]",
+        ("loss: fused head's gradients (input and weight)", "attention probabilities [T, T+k]",
          "mlp", "attention q/k/v/o", "norms and hidden states (fp32)", "bf16 copies of weights and inputs", "other"),
         0.0,
     )
+    # The fused, chunked head and loss (models/fused_ce.py) keeps no [positions, V_draft] tensor: only its
+    # gradients, computed in the forward, one fp32 row per counted position and one fp32 copy of the head.
+    terms["loss: fused head's gradients (input and weight)"] = 4 * vd * h
     for k, n in enumerate(job.counted()):
-        terms["loss: teacher and log-softmax over the draft vocabulary"] += 8 * n * vd
+        terms["loss: fused head's gradients (input and weight)"] += 4 * n * h
         terms["attention probabilities [T, T+k]"] += b * heads * t * (t + k) * (6 if bf16 else 4)
         # gate, SiLU(gate), up, SiLU(gate)*up; the MLP's input (fp32, or a bf16 cast for each of gate and up)
         terms["mlp"] += 4 * n_tok * i_size * s + (2 * n_tok * h * 2 if bf16 else 4 * n_tok * h)
@@ -133,14 +138,15 @@ def ttt_saved_bytes(job: JobShape) -> dict[str, float]:
         attn = 2 * n_tok * q * s + (n_tok * q * s if k and q_copy else 0) + (2 * n_tok * kv * s if k else 0)
         attn += 2 * n_tok * q * s if kv_copy else (2 * n_tok * kv * s if k == 0 else 0)
         terms["attention q/k/v/o"] += attn + (3 * 2 * n_tok * h * 2 if bf16 else 2 * n_tok * h * 4)
-        # three normalised outputs and two inputs in the layer; at the head the gathered hidden state, its
-        # normalised form and lm_head's input (a bf16 cast under autocast)
-        terms["norms and hidden states (fp32)"] += 5 * n_tok * h * 4 + n * h * (4 + 4 + s)
+        # three normalised outputs and two inputs in the layer; at the head the gathered hidden states and their
+        # normalised form (in fp32, or a bf16 gather, its fp32 cast and a bf16 normalised form)
+        terms["norms and hidden states (fp32)"] += 5 * n_tok * h * 4 + n * h * (4 + 4)
         # RoPE tables, the causal mask, gathered indices, norm scales, loss weights
-        terms["other"] += 2 * t * c.head_dim * s + t * t + 16 * n + 4 * (2 * n_tok + n) + 16
+        terms["other"] += 2 * t * c.head_dim * s + t * t + 16 * n + 4 * (2 * n_tok + n) + 8
     if bf16:
         p = draft_params(c)
-        weights = p["attention"] + p["mlp"] + p["lm_head"]  # fc's input needs no gradient: its weight is not kept
+        # fc's input needs no gradient: its weight is not kept; the fused head casts its weight per call, keeping none
+        weights = p["attention"] + p["mlp"]
         terms["bf16 copies of weights and inputs"] = 2 * weights + n_tok * 3 * c.target_hidden_size * 2
     return terms
 
@@ -184,7 +190,9 @@ def peak_memory(
         "verifier_weights": job.verifier_bytes * job.verifier.params() if online else 0.0,
         "draft_weights": 4 * trainable / shard,
         "frozen_embedding": 4 * p["embedding"] / shard,
-        "teacher_head": 4 * c.vocab_size * c.target_hidden_size,
+        # fp32 (train/ttt.py TeacherHead); under autocast also a bf16 copy of the columns outside the draft vocabulary
+        "teacher_head": 4 * c.vocab_size * c.target_hidden_size
+        + (2 * (c.vocab_size - c.draft_vocab_size) * c.target_hidden_size if job.dtype == "bf16" else 0),
         "master_weights": 4 * trainable / world if stage >= 1 else 0.0,
         "optimizer_states": optimizer / optimizer_shard,
         # input_ids, loss_mask, attention_mask int64; aux and final states collated to fp32 (train/sampler.py)
@@ -212,15 +220,21 @@ def peak_memory(
     s = 2 if job.dtype == "bf16" else 4
     kv = c.num_key_value_heads * c.head_dim
     heads, t, last = c.num_attention_heads, job.seq_len, job.ttt_steps - 1
-    # end of the forward: the teacher's probabilities, the last step's logits and loss product, the TTT cache's
-    # step-0 keys/values and the last hidden state; under autocast also the bf16 fused state and fc weight
-    forward = (4 * n_tok * c.draft_vocab_size + n_tok) + 8 * counted[-1] * c.draft_vocab_size
+    # the forward's peak, inside the fused head and loss (models/fused_ce.py): the teacher's probabilities, the
+    # gathered and the normed states of every counted position, one chunk's logits, log-probabilities and teacher rows (fp32), the
+    # TTT cache's step-0 keys/values and the last hidden state; under autocast also the bf16 fused state, fc weight
+    # and head weight
+    n_counted = sum(counted)
+    forward = (4 * n_tok * c.draft_vocab_size + n_tok) + 2 * 4 * n_counted * c.hidden_size
+    chunk = min(job.loss_chunk, n_counted) * c.draft_vocab_size
+    # (under autocast the chunk's weight gradient, bf16 then raised to fp32, can outweigh one logits tensor)
+    forward += max(12 * chunk, 8 * chunk + 6 * p["lm_head"]) if job.dtype == "bf16" else 12 * chunk
     forward += 2 * n_tok * kv * s + 4 * n_tok * c.hidden_size
     if job.dtype == "bf16":
-        forward += 2 * n_tok * c.hidden_size + 2 * p["fc"]
+        forward += 2 * n_tok * c.hidden_size + 2 * p["fc"] + 2 * p["lm_head"]
     # early backward: the last step's loss and MLP are freed, every weight but fc has its gradient, and the
     # attention backward holds two [B, heads, T, T+k] fp32 temporaries
-    last_step = 8 * counted[-1] * c.draft_vocab_size + 4 * n_tok * c.intermediate_size * s
+    last_step = 4 * n_tok * c.intermediate_size * s
     backward = -last_step + 4 * (trainable - p["fc"]) + 2 * 4 * job.micro_batch * heads * t * (t + last)
     # optimizer step: gradients, the engines' step buffers, the optimizer's temporaries (foreach: one fp32 tensor
     # per parameter it updates; one at a time: the largest)

@@ -228,9 +228,10 @@ def _measured_step(spec: dict[str, Any]) -> dict[str, Any]:
     # As `fledge bench train`: every position counted (the plan's worst case).
     head = synthetic_head(config, gen)
     batch = synthetic_states(config, b, t, gen)
+    module = TTTModule(draft, head, TTTConfig(ttt_steps=spec["ttt_steps"]))
+    del head  # as train/loop.py: the module keeps the teacher's split of the head
     engine = TorchEngine(
-        TTTModule(draft, head, TTTConfig(ttt_steps=spec["ttt_steps"])),
-        TrainConfig(max_steps=2, dtype="fp32", warmup_steps=0), EngineConfig(), DistInfo(), torch.device("cpu"), 2,
+        module, TrainConfig(max_steps=2, dtype="fp32", warmup_steps=0), EngineConfig(), DistInfo(), torch.device("cpu"), 2,
     )
     # AdamW creates its moments at its first step: one step on zero gradients (an update of zero) creates them, so
     # that the measured step holds what every step after the first holds, without a second forward and backward.
@@ -243,7 +244,8 @@ def _measured_step(spec: dict[str, Any]) -> dict[str, Any]:
     # the baseline: the tensors that exist now (counted exactly), the resident set, the high-water mark reset
     tracker = LiveBytes()
     state = [v for s in engine.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    for tensor in [*draft.parameters(), *draft.buffers(), *batch.values(), head, *state]:
+    teacher = [module.teacher.inside, module.teacher.outside]
+    for tensor in [*draft.parameters(), *draft.buffers(), *batch.values(), *teacher, *state]:
         tracker.add(tensor)
     persistent = tracker.bytes
     tracker.bytes = tracker.peak = 0  # from here on: what the step adds

@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import torch
-import torch.nn.functional as F
 
 from fledge.core.errors import ConfigError
 from fledge.models.draft import Eagle3Draft, TTTCache
@@ -50,6 +49,9 @@ class TTTConfig:
     """Loss weight of step i is step_decay**i."""
     teacher_chunk: int = 1024
     """Positions per chunk when computing the teacher: full-vocabulary logits exist for one chunk at a time."""
+    loss_chunk: int = 1024
+    """Positions per chunk of the fused head and loss (``models.fused_ce``): [chunk, V_draft] logits exist for one
+    chunk at a time and none is kept for the backward."""
     attention_chunk: int = 2048
     """Sequences longer than this run the TTT attention in blocks of this many query rows, each recomputed in the
     backward rather than kept (``models.draft.ttt_attention``); 0 never does. Same numbers, less memory, a second
@@ -62,39 +64,120 @@ class TTTConfig:
             raise ConfigError(f"ttt.step_decay must lie in (0, 1], got {self.step_decay}")
         if self.attention_chunk < 0:
             raise ConfigError(f"ttt.attention_chunk must be >= 0 (0: off), got {self.attention_chunk}")
+        if self.loss_chunk < 1:
+            raise ConfigError(f"ttt.loss_chunk must be >= 1, got {self.loss_chunk}")
         if self.teacher_chunk < 1:
             raise ConfigError(f"ttt.teacher_chunk must be >= 1, got {self.teacher_chunk}")
 
 
-@torch.no_grad()
+BF16_UNIT = 2.0**-8
+"""Unit roundoff of bfloat16 (8 significant bits)."""
+FAST_MARGIN_ULPS = 8.0
+"""The out-of-vocabulary logits' error bound in ``TeacherHead``, in units of the low-precision dtype's roundoff times
+|x| * max|w|: rounding x and w costs 2, the output 1 more; 8 leaves room for reduced-precision reductions (cuBLAS
+may split a bf16 product's sum)."""
+
+
+class TeacherHead:
+    """The verifier's head split at the draft vocabulary, once per run.
+
+    The teacher needs the verifier's logits in float32 only at the draft-vocabulary columns (their softmax is the
+    target); of the other columns it needs only whether one of them beats the best draft column (the top-1 then lies
+    outside the draft vocabulary and the position is not counted). Under autocast those columns go through one
+    product in the autocast dtype; a row whose best outside logit comes within that product's error bound of the
+    best inside one (``FAST_MARGIN_ULPS``) is recomputed in float32 over the whole vocabulary, so the decision is
+    exactly the float32 one. Without autocast everything stays float32, as before.
+    """
+
+    def __init__(self, head: torch.Tensor, t2d: torch.Tensor) -> None:
+        if head.shape[0] != t2d.shape[0]:
+            raise ValueError(f"verifier_head {tuple(head.shape)} must have len(t2d)={t2d.shape[0]} rows")
+        t2d = t2d.to(head.device, torch.bool)
+        self.t2d = t2d
+        self.columns = t2d.nonzero().squeeze(1)
+        self.rest = (~t2d).nonzero().squeeze(1)
+        self.inside = head[self.columns].float()
+        self.outside = head[self.rest]
+        self._fast: dict[torch.dtype, tuple[torch.Tensor, float]] = {}
+        self.fallback_rows = 0
+        """Rows recomputed in float32 because the fast pass could not decide them (for tests and benchmarks)."""
+
+    @property
+    def device(self) -> torch.device:
+        return self.inside.device
+
+    def to(self, device: torch.device) -> "TeacherHead":
+        if device == self.device:
+            return self
+        moved = TeacherHead.__new__(TeacherHead)
+        moved.t2d, moved.columns, moved.rest = self.t2d.to(device), self.columns.to(device), self.rest.to(device)
+        moved.inside, moved.outside = self.inside.to(device), self.outside.to(device)
+        moved._fast, moved.fallback_rows = {}, 0
+        return moved
+
+    def fast_outside(self, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
+        """The outside columns in ``dtype`` and the largest of their row norms (float32)."""
+        if dtype not in self._fast:
+            norm = float(self.outside.float().norm(dim=1).max()) if self.rest.numel() else 0.0
+            self._fast[dtype] = (self.outside.to(dtype), norm)
+        return self._fast[dtype]
+
+    @torch.no_grad()
+    def targets(self, final_hidden: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """final_hidden [B, T, Ht] -> (probs [B, T, V_draft] float32, in_vocab bool [B, T]); see ``teacher_targets``."""
+        b, t, ht = final_hidden.shape
+        if self.inside.shape[1] != ht:
+            raise ValueError(f"verifier_head has width {self.inside.shape[1]}, final hidden states {ht}")
+        device = final_hidden.device
+        on = torch.is_autocast_enabled(device.type)
+        fast_dtype = torch.get_autocast_dtype(device.type) if on else torch.float32
+        fast_dtype = fast_dtype if fast_dtype.itemsize < 4 else torch.float32
+        outside, wmax = self.fast_outside(fast_dtype)
+        unit = torch.finfo(fast_dtype).eps / 2 if fast_dtype != torch.float32 else 0.0
+        flat = final_hidden.reshape(b * t, ht)
+        probs = torch.empty(b * t, self.columns.numel(), dtype=torch.float32, device=device)
+        in_vocab = torch.ones(b * t, dtype=torch.bool, device=device)
+        with torch.autocast(device_type=device.type, enabled=False):
+            for start in range(0, b * t, chunk):
+                x = flat[start : start + chunk].float()
+                logits = x @ self.inside.T  # [chunk, V_draft] float32
+                probs[start : start + chunk] = logits.softmax(-1)
+                if not self.rest.numel():
+                    continue
+                best_in = logits.max(-1).values
+                best_out = (x.to(fast_dtype) @ outside.T).max(-1).values.float()
+                # |error| of each fast outside logit <= 8u |x| max|w| + 2u |logit| (u: the dtype's roundoff; 0 in fp32).
+                margin = unit * (FAST_MARGIN_ULPS * x.norm(dim=-1) * wmax + 2.0 * best_out.abs())
+                gap = best_in - best_out
+                decided_in, decided_out = gap > margin, gap < -margin
+                in_vocab[start : start + chunk] = decided_in
+                unsure = (~decided_in & ~decided_out).nonzero().squeeze(1)
+                if unsure.numel():
+                    # Exactly the float32 rule, ties to the lowest verifier id as argmax breaks them.
+                    full = torch.empty(unsure.numel(), self.t2d.shape[0], dtype=torch.float32, device=device)
+                    full[:, self.columns] = logits[unsure]
+                    exact = outside if fast_dtype == torch.float32 else self.outside.float()  # rare: transient
+                    full[:, self.rest] = x[unsure] @ exact.T
+                    in_vocab[start + unsure] = self.t2d[full.argmax(-1)]
+                    self.fallback_rows += int(unsure.numel()) if fast_dtype != torch.float32 else 0
+        return probs.view(b, t, -1), in_vocab.view(b, t)
+
+
 def teacher_targets(
-    final_hidden: torch.Tensor, verifier_head: torch.Tensor, t2d: torch.Tensor, chunk: int
+    final_hidden: torch.Tensor, verifier_head: torch.Tensor | TeacherHead, t2d: torch.Tensor, chunk: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The verifier's next-token distribution restricted to the draft vocabulary, and where its top-1 lies in it.
 
-    final_hidden [B, T, Ht], verifier_head [V, Ht], t2d bool [V] -> (probs [B, T, V_draft] float32, in_vocab bool
-    [B, T]). As the official EAGLE-3 code: softmax over the logits of the draft-vocabulary columns only, i.e. the
-    full distribution renormalised over the draft vocabulary. Always float32, even under autocast: a bf16 head
-    flips near-tied top-1s and the teacher is cheap next to the draft.
+    final_hidden [B, T, Ht], verifier_head [V, Ht] (or its ``TeacherHead``), t2d bool [V] -> (probs [B, T, V_draft]
+    float32, in_vocab bool [B, T]). As the official EAGLE-3 code: softmax over the logits of the draft-vocabulary
+    columns only, i.e. the full distribution renormalised over the draft vocabulary. The probabilities are always
+    float32, even under autocast (a bf16 head flips near-tied top-1s and the teacher is cheap next to the draft);
+    the in-vocabulary decision is the float32 one too (``TeacherHead``).
     """
-    b, t, ht = final_hidden.shape
-    if verifier_head.shape[1] != ht or verifier_head.shape[0] != t2d.shape[0]:
-        raise ValueError(
-            f"verifier_head {tuple(verifier_head.shape)} must be [len(t2d)={t2d.shape[0]}, Ht={ht}]"
-        )
-    device = final_hidden.device
-    columns = t2d.to(device).nonzero().squeeze(1)
-    head = verifier_head.to(device, torch.float32)
-    flat = final_hidden.reshape(b * t, ht)
-    probs = torch.empty(b * t, columns.numel(), dtype=torch.float32, device=device)
-    in_vocab = torch.empty(b * t, dtype=torch.bool, device=device)
-    in_draft = t2d.to(device, torch.bool)
-    with torch.autocast(device_type=device.type, enabled=False):
-        for start in range(0, b * t, chunk):
-            logits = flat[start : start + chunk].float() @ head.T  # [chunk, V]
-            in_vocab[start : start + chunk] = in_draft[logits.argmax(-1)]
-            probs[start : start + chunk] = logits[:, columns].softmax(-1)
-    return probs.view(b, t, -1), in_vocab.view(b, t)
+    teacher = verifier_head if isinstance(verifier_head, TeacherHead) else TeacherHead(verifier_head, t2d)
+    if teacher.t2d.shape != t2d.shape:
+        raise ValueError(f"verifier_head has {teacher.t2d.shape[0]} rows, t2d {t2d.shape[0]}")
+    return teacher.to(final_hidden.device).targets(final_hidden, chunk)
 
 
 def shift_left(x: torch.Tensor, n: int, fill: float | int | bool = 0) -> torch.Tensor:
@@ -125,7 +208,7 @@ def ttt_unroll(
 
 
 def ttt_forward(
-    draft: Eagle3Draft, batch: dict[str, torch.Tensor], verifier_head: torch.Tensor, cfg: TTTConfig
+    draft: Eagle3Draft, batch: dict[str, torch.Tensor], verifier_head: torch.Tensor | TeacherHead, cfg: TTTConfig
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Weighted TTT loss of one batch, with per-step losses and top-1 agreement for logging.
 
@@ -135,6 +218,10 @@ def ttt_forward(
     device: reading them is a host sync, which the training loop does once per log record, not per micro-batch.
     (The gather of the counted positions, ``nonzero``, still syncs once per step of the unroll: its size decides
     the shape of the head's product.)
+
+    The counted positions of all steps go through the head and the loss in one fused, chunked call
+    (``models.fused_ce``): no [positions, V_draft] tensor outlives its chunk. Row weights decay**k / n_k make the
+    weighted sum exactly sum_k decay**k * ploss_k.
     """
     input_ids = batch["input_ids"]
     b, t = input_ids.shape
@@ -145,28 +232,40 @@ def ttt_forward(
     trained = batch["loss_mask"].bool() & batch["attention_mask"].bool()
 
     fused = draft.fuse(batch["aux"])
-    total = fused.new_zeros((), dtype=torch.float32)
-    zero = torch.zeros((), dtype=torch.float32, device=input_ids.device)
-    metrics: dict[str, torch.Tensor] = {}
+    states, index, weights, counts = [], [], [], []
     for k, hidden in enumerate(ttt_unroll(draft, fused, input_ids, cfg.ttt_steps, cfg.attention_chunk)):
         counted = shift_left(trained, k + 2, False) & shift_left(in_vocab, k + 1, False)
         rows, cols = counted.nonzero(as_tuple=True)
-        if k == 0:
-            metrics["tokens"] = zero + rows.numel()
-        if rows.numel() == 0:
-            # Nothing counted here, but every rank must run the same modules every step: skipping the head and norm
-            # on one rank would leave its DDP buckets unready and its ZeRO-3 all-gathers unmatched by the others'
-            # (a hang). One row goes through them with weight 0: zero gradients, the same collectives everywhere.
-            ploss = draft.logits(hidden[:1, 0]).float().sum() * 0.0
-            metrics[f"ploss_{k}"], metrics[f"acc_{k}"] = zero, zero
-        else:
+        n = rows.numel()
+        counts.append(n)
+        if n:
             # Only counted positions go through lm_head: it is the widest matrix product of the unroll.
-            logits = draft.logits(hidden[rows, cols]).float()
-            target = teacher[rows, cols + k + 1]
-            ploss = -(target * F.log_softmax(logits, dim=-1)).sum(-1).mean()
-            with torch.no_grad():
-                acc = (logits.argmax(-1) == target.argmax(-1)).float().mean()
-            metrics[f"ploss_{k}"], metrics[f"acc_{k}"] = ploss.detach(), acc
-        total = total + (cfg.step_decay**k) * ploss
-    metrics["loss"] = total.detach()
+            states.append(hidden[rows, cols])
+            index.append(rows * t + cols + k + 1)
+            weights.append(torch.full((n,), cfg.step_decay**k / n, dtype=torch.float64, device=input_ids.device))
+    if not states:
+        # Nothing counted anywhere, but every rank must run the same modules every step: skipping the head and norm
+        # on one rank would leave its DDP buckets unready and its ZeRO-3 all-gathers unmatched by the others'
+        # (a hang). One row goes through them with weight 0: zero gradients, the same collectives everywhere.
+        states.append(hidden[:1, 0])
+        index.append(torch.zeros(1, dtype=torch.long, device=input_ids.device))
+        weights.append(torch.zeros(1, dtype=torch.float64, device=input_ids.device))
+    total, ce, correct = draft.lm_head(
+        draft.norm(torch.cat(states)),
+        teacher=teacher.view(b * t, -1),
+        index=torch.cat(index),
+        row_weight=torch.cat(weights),
+        chunk=cfg.loss_chunk,
+    )
+    zero = torch.zeros((), dtype=torch.float32, device=input_ids.device)
+    metrics: dict[str, torch.Tensor] = {"tokens": zero + counts[0]}
+    offset = 0
+    for k, n in enumerate(counts):
+        if n:
+            metrics[f"ploss_{k}"] = ce[offset : offset + n].mean().float()
+            metrics[f"acc_{k}"] = correct[offset : offset + n].float().mean()
+        else:
+            metrics[f"ploss_{k}"], metrics[f"acc_{k}"] = zero, zero
+        offset += n
+    metrics["loss"] = total.detach().float()
     return total, metrics
