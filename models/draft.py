@@ -511,10 +511,11 @@ class DraftHead(nn.Linear):
         index: torch.Tensor | None = None,
         row_weight: torch.Tensor | None = None,
         chunk: int = 1024,
+        teacher_top: torch.Tensor | None = None,
     ):
         if teacher is None:
             return super().forward(x)
-        return fused_soft_cross_entropy(x, self.weight, teacher, index, row_weight, chunk)
+        return fused_soft_cross_entropy(x, self.weight, teacher, index, row_weight, chunk, teacher_top)
 
 
 class Eagle3Draft(nn.Module):

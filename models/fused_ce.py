@@ -22,7 +22,7 @@ import torch
 
 class _FusedSoftCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, teacher, index, row_weight, chunk, compute_dtype, want_grad):
+    def forward(ctx, x, weight, teacher, teacher_top, index, row_weight, chunk, compute_dtype, want_grad):
         n = x.shape[0]
         exact = torch.promote_types(compute_dtype, torch.float32)  # float32, or float64 in the equality tests
         row_weight = row_weight.to(exact)
@@ -39,7 +39,7 @@ class _FusedSoftCrossEntropy(torch.autograd.Function):
                 xc = x[rows].to(compute_dtype)
                 target = teacher[index[rows]].to(exact)
                 logits = (xc @ w.T).to(exact)
-                correct[rows] = logits.argmax(-1) == target.argmax(-1)
+                correct[rows] = logits.argmax(-1) == teacher_top[index[rows]]
                 logp = logits.log_softmax(-1)
                 del logits  # at most three [chunk, V] tensors live at once: logits, log-probabilities, target
                 ce[rows] = -(target[:, None, :] @ logp[:, :, None]).view(-1)  # row dot products: no [chunk, V] product
@@ -69,7 +69,7 @@ class _FusedSoftCrossEntropy(torch.autograd.Function):
             grad_x = grad_x * grad_loss.to(grad_x.dtype)
         if grad_w is not None:
             grad_w = (grad_w * grad_loss).to(ctx.weight_dtype)
-        return grad_x, grad_w, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, None
 
 
 def fused_soft_cross_entropy(
@@ -79,12 +79,14 @@ def fused_soft_cross_entropy(
     index: torch.Tensor,
     row_weight: torch.Tensor,
     chunk: int,
+    teacher_top: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """sum_i row_weight[i] * CE_i, with CE_i = -sum_v teacher[index[i], v] * log_softmax(x[i] @ weight.T)[v].
 
     x [N, H] (the normed hidden states of the counted positions), weight [V, H] (the head), teacher [M, V] float32
     (rows of target distributions), index [N] int64 (the teacher row of each position), row_weight [N],
-    chunk: positions per chunk (>= 1). Returns (weighted loss with grad, CE [N] float32 (float64 for float64
+    chunk: positions per chunk (>= 1); teacher_top [M]: each teacher row's argmax, if the caller has it (one argmax
+    per teacher row instead of one per position: the unroll reads each row up to ttt_steps times). Returns (weighted loss with grad, CE [N] float32 (float64 for float64
     weights), top-1 agreement [N] bool),
     the last two detached. Gradients are computed only when grad mode is on and x or weight requires them.
     """
@@ -100,6 +102,8 @@ def fused_soft_cross_entropy(
     device = x.device.type
     compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
     want_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if teacher_top is None:
+        teacher_top = teacher.argmax(-1)
     return _FusedSoftCrossEntropy.apply(
-        x, weight, teacher, index, row_weight, chunk, compute, want_grad
+        x, weight, teacher, teacher_top, index, row_weight, chunk, compute, want_grad
     )

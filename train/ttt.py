@@ -250,9 +250,11 @@ def ttt_forward(
         states.append(hidden[:1, 0])
         index.append(torch.zeros(1, dtype=torch.long, device=input_ids.device))
         weights.append(torch.zeros(1, dtype=torch.float64, device=input_ids.device))
+    flat_teacher = teacher.view(b * t, -1)
     total, ce, correct = draft.lm_head(
         draft.norm(torch.cat(states)),
-        teacher=teacher.view(b * t, -1),
+        teacher=flat_teacher,
+        teacher_top=flat_teacher.argmax(-1),
         index=torch.cat(index),
         row_weight=torch.cat(weights),
         chunk=cfg.loss_chunk,
