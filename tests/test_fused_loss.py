@@ -188,3 +188,16 @@ def test_teacher_with_a_full_draft_vocabulary_needs_no_outside_pass() -> None:
     probs, in_vocab = teacher_targets(final, head, torch.ones(10, dtype=torch.bool), chunk=2)
     assert in_vocab.all()
     torch.testing.assert_close(probs, (final @ head.T).softmax(-1), rtol=1e-6, atol=1e-7)
+
+
+def test_top1_agreement_breaks_ties_as_argmax() -> None:
+    """Two head rows alike give exactly tied logits: the draft's top-1 is the first of them, as argmax has it."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(6, 4, generator=g, dtype=torch.float64)
+    w[4] = w[1]
+    x = w[1][None].repeat(2, 1)  # rows 1 and 4 tie at the top
+    assert torch.equal((x @ w.T).argmax(-1), torch.tensor([1, 1]))
+    teacher = torch.zeros(2, 6)
+    teacher[0, 1], teacher[1, 4] = 1.0, 1.0
+    _, _, correct = fused_soft_cross_entropy(x, w, teacher, torch.tensor([0, 1]), torch.ones(2, dtype=torch.float64), 1)
+    assert correct.tolist() == [True, False]

@@ -254,7 +254,7 @@ def ttt_forward(
     total, ce, correct = draft.lm_head(
         draft.norm(torch.cat(states)),
         teacher=flat_teacher,
-        teacher_top=flat_teacher.argmax(-1),
+        teacher_top=flat_teacher.max(-1).indices,
         index=torch.cat(index),
         row_weight=torch.cat(weights),
         chunk=cfg.loss_chunk,
