@@ -10,9 +10,9 @@ repeated: the forward does the head's three products (one forward, two backward)
 
 The arithmetic is the plain version's: logits in the compute dtype (the autocast dtype when autocast is on, else the
 weight's), raised to float32 (float64 stays float64); log-softmax in float32; the logit gradient
-(softmax * sum(teacher) - teacher) times the row's weight, in float32, rounded to the compute dtype for the two products. In float64 the two agree to
-rounding (``tests/test_ttt.py``); in bfloat16 the weight gradient of several chunks is summed in float32, one
-rounding per chunk where the plain version rounds the whole product once.
+(softmax * sum(teacher) - teacher) times the row's weight, in float32, rounded to the compute dtype for the two
+products. In float64 the two agree to rounding (``tests/test_fused_loss.py``); in bfloat16 the weight gradient of
+several chunks is summed in float32, one rounding per chunk where the plain version rounds the whole product once.
 """
 
 from __future__ import annotations
@@ -87,8 +87,8 @@ def fused_soft_cross_entropy(
     x [N, H] (the normed hidden states of the counted positions), weight [V, H] (the head), teacher [M, V] float32
     (rows of target distributions), index [N] int64 (the teacher row of each position), row_weight [N],
     chunk: positions per chunk (>= 1); teacher_top [M]: each teacher row's argmax, if the caller has it (one argmax
-    per teacher row instead of one per position: the unroll reads each row up to ttt_steps times). Returns (weighted loss with grad, CE [N] float32 (float64 for float64
-    weights), top-1 agreement [N] bool),
+    per teacher row instead of one per position: the unroll reads each row up to ttt_steps times). Returns (weighted
+    loss with grad, CE [N] float32 (float64 for float64 weights), top-1 agreement [N] bool),
     the last two detached. Gradients are computed only when grad mode is on and x or weight requires them.
     """
     if chunk < 1:

@@ -220,11 +220,10 @@ def peak_memory(
     s = 2 if job.dtype == "bf16" else 4
     kv = c.num_key_value_heads * c.head_dim
     heads, t, last = c.num_attention_heads, job.seq_len, job.ttt_steps - 1
-    # the forward's peak, inside the fused head and loss (models/fused_ce.py): the teacher's probabilities (and
-    # each position's top-1), the
-    # gathered and the normed states of every counted position, one chunk's logits, log-probabilities and teacher rows (fp32), the
-    # TTT cache's step-0 keys/values and the last hidden state; under autocast also the bf16 fused state, fc weight
-    # and head weight
+    # the forward's peak, inside the fused head and loss (models/fused_ce.py): the teacher's probabilities (and each
+    # position's top-1), the gathered and the normed states of every counted position, one chunk's logits,
+    # log-probabilities and teacher rows (fp32), the TTT cache's step-0 keys/values and the last hidden state; under
+    # autocast also the bf16 fused state, fc weight and head weight
     n_counted = sum(counted)
     forward = (4 * n_tok * c.draft_vocab_size + n_tok + 8 * n_tok) + 2 * 4 * n_counted * c.hidden_size
     chunk = min(job.loss_chunk, n_counted) * c.draft_vocab_size

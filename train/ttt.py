@@ -70,8 +70,6 @@ class TTTConfig:
             raise ConfigError(f"ttt.teacher_chunk must be >= 1, got {self.teacher_chunk}")
 
 
-BF16_UNIT = 2.0**-8
-"""Unit roundoff of bfloat16 (8 significant bits)."""
 FAST_MARGIN_ULPS = 8.0
 """The out-of-vocabulary logits' error bound in ``TeacherHead``, in units of the low-precision dtype's roundoff times
 |x| * max|w|: rounding x and w costs 2, the output 1 more; 8 leaves room for reduced-precision reductions (cuBLAS
