@@ -15,6 +15,7 @@ The EAGLE-3 draft (alone or in the hybrid) proposes for every row in one batched
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,9 +61,11 @@ def evaluate_batched(
     cfg: Any,
     stop_ids: frozenset[int],
     outcome: Any,
+    on_plain: Callable[[list[DecodeResult]], Any] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """{str(B): {"plain": {...}, "drafters": {name: entry}}} for one prompt set. ``outcome(results, plain)`` gives
-    the greedy exactness fields (None when sampling)."""
+    the greedy exactness fields (None when sampling); ``on_plain`` is handed each batch size's plain answers, in
+    prompt order."""
     model = verifier.model
     common = dict(sampling=cfg.sampling(), stop_ids=stop_ids, num_draft_tokens=cfg.num_draft_tokens,
                   shape=cfg.tree_shape())
@@ -107,6 +110,8 @@ def evaluate_batched(
                 seconds[name].append(elapsed)
                 bar.update(len(prompts))
         bar.close()
+        if on_plain is not None:
+            on_plain(plain)
         plain_tokens = sum(len(r.tokens) for r in plain)
         entry: dict[str, Any] = {
             "batch_size": size,

@@ -20,6 +20,7 @@ from fledge.core.errors import ConfigError
 from fledge.core.sweep import is_sweep_dir, sweep_jobs
 from fledge.data.sources import load_prompts
 from fledge.eval.batch_eval import batch_figures, batch_table
+from fledge.eval.breakdown import breakdown_figures, breakdown_lines
 from fledge.eval.datastore import load_datastore
 from fledge.eval.drafters import EagleDrafter, HybridDrafter, PromptLookupDrafter
 from fledge.eval.runner import (
@@ -144,8 +145,9 @@ def run(cfg: EvalJobConfig) -> dict[str, Any]:
         (Path(cfg.eval.out_dir) / "report.json").write_text(json.dumps(report, indent=2))
     _log_wandb(cfg, report)
     batch = batch_table(report)
-    print("\n".join(["", *report_table(report), *(["", *batch] if batch else []), "", *stable_figures(report),
-                     *batch_figures(report)]))
+    first = breakdown_lines(report)
+    print("\n".join(["", *report_table(report), *(["", *batch] if batch else []), *(["", *first] if first else []),
+                     "", *stable_figures(report), *batch_figures(report), *breakdown_figures(report)]))
     mismatches = mismatch_lines(report)
     if mismatches:
         # Not a numerical tie: the loop emitted a token that plain greedy decoding would not have.

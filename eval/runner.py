@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from fledge.core.errors import ConfigError
 from fledge.data.template import stop_token_ids
 from fledge.eval.batch_eval import evaluate_batched, plot_batch
+from fledge.eval.breakdown import breakdown, first_tokens, plot_breakdown
 from fledge.eval.chain import generate_chain
 from fledge.eval.drafters import EagleDrafter, HybridDrafter
 from fledge.eval.hf_baseline import generate_hf
@@ -107,6 +108,11 @@ class EvalConfig:
     """Greedy only: check every position of every output (plain decoding's too) against one float32 forward over it
     (``TieJudge.recheck``): a token that is not the verifier's argmax after its own prefix, beyond the tie band, is a
     mismatch, and ``fledge eval`` fails. A bf16 verifier is then copied to float32 once (twice its memory)."""
+    first_token: bool = True
+    """Report where the draft's first token fails on each prompt set (``eval/breakdown.py``): outside the draft
+    vocabulary, among its 2nd..``tree_top_k``-th choices, where the verifier's own top-1 probability is below ½,
+    or mispredicted; with agreement by the verifier's certainty and by position in the answer. One verifier and one
+    draft forward per prompt over plain decoding's answer; needs an EAGLE-3 drafter (alone or in the hybrid)."""
     round_floor: bool = True
     """Measure v(k), the verifier's bare forward over the k tokens a round checks, and report how much a round
     costs beyond v(k) and its drafting (``round_overhead``)."""
@@ -300,6 +306,9 @@ def evaluate(
         coverage = draft_vocab_coverage(named, plain)
         if coverage is not None:
             set_report["draft_vocab_coverage"] = coverage
+        first = first_token_breakdown(verifier, named, encoded, plain, cfg) if cfg.first_token else None
+        if first is not None:
+            set_report["first_token"] = first
         for name, _ in named:
             entry = _drafter_summary(runs[name], plain, hf, [pid for pid, _ in encoded], methods[name], cfg, base,
                                      floors)
@@ -322,6 +331,9 @@ def evaluate(
         (out / "report.json").write_text(json.dumps(report, indent=2))
         plot_acceptance(report, out / "acceptance.png")
         report["files"] = {"json": str(out / "report.json"), "png": str(out / "acceptance.png")}
+        if plot_breakdown(report, out / "first_token.png"):
+            report["files"]["first_token_png"] = str(out / "first_token.png")
+            (out / "report.json").write_text(json.dumps(report, indent=2))
         if batched:
             plot_batch(report, out / "speedup_vs_batch.png")
             report["files"]["batch_png"] = str(out / "speedup_vs_batch.png")
@@ -329,12 +341,17 @@ def evaluate(
     return report
 
 
+def _first_eagle(named: list[tuple[str, Drafter]]) -> EagleDrafter | None:
+    """The first EAGLE-3 drafter among ``named``, alone or inside a hybrid; None without one."""
+    return next((d if isinstance(d, EagleDrafter) else d.eagle for _, d in named
+                 if isinstance(d, EagleDrafter | HybridDrafter)), None)
+
+
 def draft_vocab_coverage(named: list[tuple[str, Drafter]], plain: list[DecodeResult]) -> float | None:
     """The share of plain decoding's tokens that the first EAGLE-3 drafter among ``named`` can propose at all (its
     draft vocabulary holds them), or None without one. A verifier token outside the draft vocabulary is rejected
     whatever the draft learnt, so this caps every depth's acceptance of the draft's own proposals."""
-    eagle = next((d if isinstance(d, EagleDrafter) else d.eagle for _, d in named
-                  if isinstance(d, EagleDrafter | HybridDrafter)), None)
+    eagle = _first_eagle(named)
     tokens = [t for r in plain for t in r.tokens]
     if eagle is None or not tokens:
         return None
@@ -343,6 +360,22 @@ def draft_vocab_coverage(named: list[tuple[str, Drafter]], plain: list[DecodeRes
     proposable = torch.zeros(eagle.target_vocab_size, dtype=torch.bool)
     proposable[eagle.draft_to_target.cpu()] = True
     return float(proposable[torch.tensor(tokens)].float().mean())
+
+
+def first_token_breakdown(
+    verifier: Verifier, named: list[tuple[str, Drafter]], encoded: list[tuple[Any, torch.Tensor]],
+    plain: list[DecodeResult], cfg: EvalConfig,
+) -> dict[str, Any] | None:
+    """Where the first EAGLE-3 drafter's first token fails over plain decoding's answers (``eval/breakdown.py``,
+    the 2nd..k-th choices read at k = ``tree_top_k``); None without an EAGLE-3 drafter."""
+    eagle = _first_eagle(named)
+    if eagle is None:
+        return None
+    records = []
+    for (_, ids), result in tqdm(list(zip(encoded, plain)), desc="first-token breakdown", unit="prompt",
+                                 leave=False):
+        records += first_tokens(verifier.model, eagle, ids, result.tokens, cfg.tree_top_k)
+    return breakdown(records, cfg.tree_top_k)
 
 
 def _batched_set(
@@ -354,11 +387,23 @@ def _batched_set(
     def outcome(results: list[DecodeResult], plain: list[DecodeResult]) -> dict | None:
         return None if judge is None else _greedy_outcome(judge, encoded, results, plain, cfg.recheck)
 
-    by_size = evaluate_batched(verifier, encoded, named, methods, cfg, stop_ids, outcome)
+    plain: list[DecodeResult] = []  # the smallest batch size's plain answers (the first handed over)
+
+    def keep_first(results: list[DecodeResult]) -> None:
+        if not plain:
+            plain.extend(results)
+
+    by_size = evaluate_batched(verifier, encoded, named, methods, cfg, stop_ids, outcome, on_plain=keep_first)
     sweep[set_name] = by_size
     smallest = by_size[str(cfg.batch_sizes()[0])]
     base = {**smallest["plain"], "batch_size": smallest["batch_size"], "divides_by": "fledge plain decoding, batched"}
     set_report: dict[str, Any] = {"num_prompts": len(encoded), "baseline": base, "drafters": {}}
+    coverage = draft_vocab_coverage(named, plain)
+    if coverage is not None:
+        set_report["draft_vocab_coverage"] = coverage
+    first = first_token_breakdown(verifier, named, encoded, plain, cfg) if cfg.first_token else None
+    if first is not None:
+        set_report["first_token"] = first
     for name, d in smallest["drafters"].items():
         set_report["drafters"][name] = {**d, "batch_size": smallest["batch_size"]}
     for name, drafter in drafters.items():

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from fledge.core.errors import ConfigError
+from fledge.eval.breakdown import breakdown_lines
 from fledge.eval.runner import report_table
 from fledge.launch.budget import (
     FIXED_SIZES,
@@ -177,8 +178,12 @@ def summary(run_dir: Path, timings: dict[str, Any], plan: Plan | None = None) ->
     if report_path.is_file():
         report = json.loads(report_path.read_text())
         lines += ["", *report_table(report)]
+        first = breakdown_lines(report)
+        if first:
+            lines += ["", *first]
     for label, path in (
         ("acceptance curves", run_dir / "eval" / "acceptance.png"),
+        ("first-token failures", run_dir / "eval" / "first_token.png"),
         ("wandb offline run", run_dir / "train" / "wandb"),
         ("exported checkpoint", run_dir / "export"),
     ):
