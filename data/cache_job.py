@@ -85,6 +85,8 @@ class Prepared:
 
 def _config_hash(cfg: CacheJobConfig, fingerprint: str) -> str:
     payload = {"verifier": asdict(cfg.verifier), "data": asdict(cfg.data), "fingerprint": fingerprint}
+    if payload["data"]["sources"] is None:
+        del payload["data"]["sources"]  # a single source hashes as it did before mixtures existed
     for placement in ("home", "device_map"):  # where the verifier is kept or placed does not change its states
         payload["verifier"].pop(placement, None)
     unbound = {"dir", "overwrite", "device", "verify_on_resume", "verify_on_read"}  # how it is built or read, not what
@@ -105,9 +107,10 @@ def _why_none_usable(stats: dict[str, int], data: DataConfig) -> str:
 
 
 def prepare(cfg: CacheJobConfig, info: DistInfo, device: torch.device) -> Prepared:
-    verifier = load_verifier(cfg.verifier, device)
+    # The data first: a source that yields nothing is refused before the verifier loads.
     conversations, report = load_conversations(cfg.data)
-    if cfg.data.source == SHIPPED_SOURCE and info.is_main:
+    verifier = load_verifier(cfg.verifier, device)
+    if SHIPPED_SOURCE in cfg.data.source_names() and info.is_main:
         warn_if_other_verifier(verifier.fingerprint)
     samples, stats = tokenize_all(
         verifier.tokenizer,
@@ -118,7 +121,7 @@ def prepare(cfg: CacheJobConfig, info: DistInfo, device: torch.device) -> Prepar
     )
     if not samples:
         raise CacheError(
-            f"no usable conversation in {cfg.data.source!r} ({report.summary()}){_why_none_usable(stats, cfg.data)}",
+            f"no usable conversation in {cfg.data.describe()!r} ({report.summary()}){_why_none_usable(stats, cfg.data)}",
             fix="check data.source and data.max_length",
         )
     vocab_size = int(verifier.model.config.vocab_size)

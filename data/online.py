@@ -98,9 +98,11 @@ def refuse_another_job(verifier: VerifierConfig, data: TrainDataConfig, cache_di
     a first epoch wrote), that cache's verifier on that cache's data. Otherwise the run would train a draft for
     another model, or on other conversations than the cache it claims, and show it only at evaluation."""
     fingerprint = weight_fingerprint(resolve_verifier_dir(verifier))  # sampled windows: cheap at any size
-    source = Path(data.source)
-    answers = source.parent / "manifest.json"
-    if source.is_file() and answers.is_file():
+    for name in data.source_names():
+        source = Path(name)
+        answers = source.parent / "manifest.json"
+        if not (source.is_file() and answers.is_file()):
+            continue
         record = json.loads(answers.read_text())
         if record.get("verifier_fingerprint") not in (None, fingerprint):
             raise MismatchError(

@@ -335,7 +335,7 @@ def _run(cfg: RegenerateJobConfig, info: DistInfo, device: torch.device) -> Path
     conversations, _ = load_conversations(cfg.data)  # logs its own report
     prompts = to_prompts(conversations, opts.turns)
     if not prompts:
-        raise RegenerateError(f"no user turns to answer in {cfg.data.source}", fix="check data.source")
+        raise RegenerateError(f"no user turns to answer in {cfg.data.describe()}", fix="check data.source")
     record = _plan_record(cfg, verifier, prompts)
     kwargs = cfg.data.chat_template_kwargs
     parts = plan_parts(verifier, prompts, opts.batch_size, kwargs)

@@ -22,7 +22,7 @@ import logging
 import time
 import zlib
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from fledge.core.errors import ConfigError, FledgeError
+from fledge.data.mixture import apportion, interleave, largest_total, prompt_key
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,8 @@ SHIPPED_DIR = Path(__file__).resolve().parent / "shipped"
 SHIPPED_DATA_FILE = f"{SHIPPED_SOURCE}.jsonl.gz"
 SHIPPED_MANIFEST_FILE = f"{SHIPPED_SOURCE}.json"
 SHIPPED_BUILD_COMMAND = "python -m fledge.data.shipped build"
+CODE_SOURCE = "python-code"
+"""Functions of the Python standard library as code conversations (data/code_source.py)."""
 MTBENCH_DIR = ("fastchat", "fastchat", "llm_judge", "data", "mt_bench")
 
 ROLE_ALIASES: dict[str, str] = {
@@ -66,7 +69,8 @@ class DataError(FledgeError, ValueError):
 class DataConfig:
     source: str = "sharegpt"
     """'sharegpt' (the embedded ShareGPT V3 wheel), 'sharegpt-smollm2' (ShareGPT prompts answered by the default
-    verifier, shipped in data/shipped: see data/shipped.py), 'mtbench', a path to a .jsonl / .jsonl.gz / .json file
+    verifier, shipped in data/shipped: see data/shipped.py), 'python-code' (the standard library's documented
+    functions as code conversations: data/code_source.py), 'mtbench', a path to a .jsonl / .jsonl.gz / .json file
     (ShareGPT form {"conversations":[{"from":..,"value":..}]} or OpenAI form {"messages":[{"role":..,"content":..}]}),
     or
     'hf:<dataset name or local path>[:<split>]' for any `datasets` dataset with one of those two columns."""
@@ -84,6 +88,12 @@ class DataConfig:
     """Training needs an assistant turn to put loss on. False keeps prompt-only conversations (user turns only),
     e.g. to regenerate the answers with the verifier: their user turns stay separate (not merged), and an unanswered
     final user turn is kept."""
+    sources: Any = None
+    """A weighted mixture in place of ``source``: {source: weight}, each source named as ``source`` takes it
+    (``data/mixture.py``). Each source gives weight / Σ weights of the conversations; ``max_conversations`` and
+    ``offset`` count the whole mixture and are shared out the same way, a source too short for its share shrinks
+    the whole mixture, and a prompt already taken from an earlier source is skipped. None: ``source`` alone.
+    On the command line: ``'data.sources={sharegpt: 0.8, python-code: 0.2}'``."""
 
     def __post_init__(self) -> None:
         if self.max_conversations is not None and self.max_conversations < 0:
@@ -92,6 +102,41 @@ class DataConfig:
             raise ConfigError(f"data.offset must be >= 0, got {self.offset}")
         if self.max_length < 2:
             raise ConfigError(f"data.max_length must be at least 2 tokens, got {self.max_length}")
+        if self.sources is not None:
+            if not isinstance(self.sources, Mapping):
+                raise ConfigError(f"data.sources must map each source to its weight, got {self.sources!r}",
+                                  fix="e.g. 'data.sources={sharegpt: 0.8, python-code: 0.2}'")
+            if not self.sources:
+                raise ConfigError("data.sources is empty", fix="name at least one source, or leave data.sources unset "
+                                  "(null) to read data.source")
+            self.sources = {str(name): _weight(name, weight) for name, weight in dict(self.sources).items()}
+            if not sum(self.sources.values()) > 0:
+                raise ConfigError(f"data.sources weights sum to zero: {self.sources}",
+                                  fix="give at least one source a weight > 0")
+
+    def source_names(self) -> list[str]:
+        """The sources read: the mixture's with a weight > 0, or ``source``."""
+        return [name for name, w in self.sources.items() if w > 0] if self.sources else [self.source]
+
+    def describe(self) -> str:
+        """``source``, or the mixture as ``name:weight+...``, for messages and reports."""
+        if not self.sources:
+            return self.source
+        return "+".join(f"{name}:{w:g}" for name, w in self.sources.items() if w > 0)
+
+
+def _weight(name: Any, weight: Any) -> float:
+    """A mixture weight as a float >= 0, or a ConfigError naming its source."""
+    if not str(name).strip():
+        raise ConfigError("data.sources has a source with an empty name", fix="name each source as data.source would")
+    try:
+        value = float(weight)
+    except (TypeError, ValueError):
+        raise ConfigError(f"data.sources: the weight of {name!r} is {weight!r}, not a number") from None
+    if not value >= 0 or value == float("inf"):
+        raise ConfigError(f"data.sources: the weight of {name!r} is {weight!r}; weights must be finite and >= 0",
+                          fix=f"give {name} a weight >= 0 (0 leaves it out)")
+    return value
 
 
 @dataclass
@@ -110,9 +155,16 @@ class LoadReport:
     before_offset: int = 0
     """Usable conversations passed over because of ``DataConfig.offset``."""
     seconds: float = 0.0
+    per_source: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """A mixture's sources (``DataConfig.sources``): each one's weight, share, kept, read, skipped and duplicates."""
 
     def summary(self) -> str:
         parts = [f"{self.source}: read {self.read:,} records, kept {self.kept:,} conversations"]
+        if self.per_source:
+            parts.append("by source " + ", ".join(
+                f"{name} {s['kept']:,} ({s['share']:.0%})" + (f", {s['duplicates']:,} duplicate prompts skipped"
+                                                             if s["duplicates"] else "")
+                for name, s in self.per_source.items()))
         if self.before_offset:
             parts.append(f"{self.before_offset:,} passed over by the offset")
         if self.skipped:
@@ -516,6 +568,10 @@ def _records(source: str, skipped: Counter) -> tuple[Iterable[Any], JsonArrayStr
         return iter_jsonl(shipped_path(), skipped), None
     if source.startswith("hf:"):
         return _hf_records(source), None
+    if source == CODE_SOURCE:
+        from fledge.data.code_source import python_code_records
+
+        return python_code_records(), None
     path = Path(source).expanduser()
     if path.suffix in (".json", ".jsonl") or path.name.endswith(".jsonl.gz"):
         if not path.exists():
@@ -527,50 +583,76 @@ def _records(source: str, skipped: Counter) -> tuple[Iterable[Any], JsonArrayStr
         stream = JsonArrayStream(path)
         return stream, stream
     raise DataError(
-        f"source {source!r}: not 'sharegpt', 'sharegpt-smollm2', 'mtbench', a .json / .jsonl / .jsonl.gz file, "
+        f"source {source!r}: not 'sharegpt', 'sharegpt-smollm2', 'python-code', 'mtbench', a .json / .jsonl / "
+        ".jsonl.gz file, "
         "nor hf:<dataset name or path>[:<split>]"
     )
 
 
+@dataclass
+class Reading:
+    """What reading one source saw so far (``usable_conversations`` fills it as it goes)."""
+
+    source: str
+    skipped: Counter = field(default_factory=Counter)
+    fixed: Counter = field(default_factory=Counter)
+    read: int = 0
+    usable: int = 0
+    stream: JsonArrayStream | None = None
+
+    def refuse_if_unusable(self) -> None:
+        if self.read and not self.usable:
+            reasons = ", ".join(f"{k}: {v}" for k, v in self.skipped.most_common())
+            raise DataError(f"source {self.source!r}: none of the {self.read:,} records is a usable conversation "
+                            f"({reasons})")
+
+
+def usable_conversations(source: str, cfg: DataConfig, offset: int, reading: Reading) -> Iterator[Conversation]:
+    """The usable conversations of ``source``, normalised as ``cfg`` says, after its first ``offset``, read lazily
+    (a caller that stops early does not parse the rest)."""
+    records, reading.stream = _records(source, reading.skipped)
+    for record in records:
+        reading.read += 1
+        messages, reason, repairs = normalise_record(record, cfg.require_assistant)
+        if messages is None:
+            reading.skipped[reason] += 1
+            continue
+        reading.usable += 1
+        if reading.usable <= offset:
+            continue
+        reading.fixed.update(repairs)
+        if cfg.system_prompt is not None and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": cfg.system_prompt})
+        yield messages
+
+
 def load_conversations(cfg: DataConfig) -> tuple[list[Conversation], LoadReport]:
-    """The usable conversations of ``cfg.source``, normalised, after ``cfg.offset`` and up to ``cfg.max_conversations``.
+    """The usable conversations of ``cfg.source`` (or of the mixture ``cfg.sources``: ``data/mixture.py``),
+    normalised, after ``cfg.offset`` and up to ``cfg.max_conversations``.
 
     Reading stops as soon as enough conversations are kept, so a small slice of ShareGPT does not parse the whole file.
     """
+    if cfg.sources:
+        return _load_mixture(cfg)
     start = time.perf_counter()
-    skipped: Counter = Counter()
-    fixed: Counter = Counter()
-    records, stream = _records(cfg.source, skipped)
-    want = None if cfg.max_conversations is None else cfg.offset + cfg.max_conversations
+    reading = Reading(cfg.source)
     conversations: list[Conversation] = []
-    read = usable = 0
-    if want != 0:
-        for record in records:
-            read += 1
-            messages, reason, repairs = normalise_record(record, cfg.require_assistant)
-            if messages is None:
-                skipped[reason] += 1
-                continue
-            usable += 1
-            if usable <= cfg.offset:
-                continue
-            fixed.update(repairs)
-            if cfg.system_prompt is not None and messages[0]["role"] != "system":
-                messages.insert(0, {"role": "system", "content": cfg.system_prompt})
+    if cfg.max_conversations != 0:
+        for messages in usable_conversations(cfg.source, cfg, cfg.offset, reading):
             conversations.append(messages)
-            if want is not None and usable >= want:
+            if cfg.max_conversations is not None and len(conversations) >= cfg.max_conversations:
                 break
-    if read and not usable:
-        reasons = ", ".join(f"{k}: {v}" for k, v in skipped.most_common())
-        raise DataError(f"source {cfg.source!r}: none of the {read:,} records is a usable conversation ({reasons})")
+    else:
+        _records(cfg.source, reading.skipped)  # an unknown source is still refused
+    reading.refuse_if_unusable()
     report = LoadReport(
         source=cfg.source,
-        read=read,
+        read=reading.read,
         kept=len(conversations),
-        skipped=dict(skipped),
-        recovered_from_truncation=bool(stream is not None and stream.truncated),
-        fixed=dict(fixed),
-        before_offset=min(usable, cfg.offset),
+        skipped=dict(reading.skipped),
+        recovered_from_truncation=bool(reading.stream is not None and reading.stream.truncated),
+        fixed=dict(reading.fixed),
+        before_offset=min(reading.usable, cfg.offset),
         seconds=time.perf_counter() - start,
     )
     log.info("%s", report.summary())
@@ -632,3 +714,70 @@ def _prompt_turns(record: Any) -> list[str] | None:
     if messages is None:
         return None
     return [m["content"] for m in messages if m["role"] == "user"]
+
+
+def _load_mixture(cfg: DataConfig) -> tuple[list[Conversation], LoadReport]:
+    """The conversations of the mixture ``cfg.sources`` (``data/mixture.py`` says how) and its report, with each
+    source's weight, share, kept, read, skipped and duplicates in ``per_source``."""
+    start = time.perf_counter()
+    weights = {name: w for name, w in cfg.sources.items() if w > 0}
+    offsets = apportion(cfg.offset, weights)
+    quotas = None if cfg.max_conversations is None else apportion(cfg.max_conversations, weights)
+    taken: dict[str, list[Conversation]] = {}
+    readings: dict[str, Reading] = {}
+    duplicates: Counter = Counter()
+    seen: set[str] = set()
+    for name in weights:
+        reading = readings[name] = Reading(name)
+        # At least one, even for a share of 0, so that a source that yields nothing is refused whatever the size.
+        want = None if quotas is None else max(quotas[name], 1)
+        got: list[Conversation] = []
+        keys: set[str] = set()
+        for conversation in usable_conversations(name, cfg, offsets[name], reading):
+            key = prompt_key(conversation)
+            if key in seen:
+                duplicates[name] += 1
+                continue
+            got.append(conversation)
+            keys.add(key)
+            if want is not None and len(got) >= want:
+                break
+        reading.refuse_if_unusable()
+        if not got:
+            after = f" after its first {offsets[name]:,} (data.offset)" if offsets[name] else ""
+            dup = f", {duplicates[name]:,} prompts taken from an earlier source" if duplicates[name] else ""
+            raise DataError(f"data.sources: {name!r} yields no conversation{after} (read {reading.read:,} records"
+                            f"{dup})", fix=f"check the source {name!r}, or leave it out of data.sources")
+        seen |= keys
+        taken[name] = got
+    total = largest_total({name: len(got) for name, got in taken.items()}, weights, cfg.max_conversations)
+    parts = apportion(total, weights)
+    if cfg.max_conversations is not None and total < cfg.max_conversations:
+        parts_wanted = apportion(cfg.max_conversations, weights)
+        short = [name for name in weights if len(taken[name]) < parts_wanted[name]]
+        log.warning("data.sources: %s cannot fill %s share of %d conversations; the mixture takes %d in all so that "
+                    "the weights hold", ", ".join(f"{n} ({len(taken[n]):,} conversations)" for n in short),
+                    "its" if len(short) == 1 else "their", cfg.max_conversations, total)
+    conversations = [taken[name][j] for name, j in interleave(parts)]
+    skipped: Counter = Counter()
+    fixed: Counter = Counter()
+    for reading in readings.values():
+        skipped.update(reading.skipped)
+        fixed.update(reading.fixed)
+    scale = sum(weights.values())
+    report = LoadReport(
+        source=cfg.describe(),
+        read=sum(r.read for r in readings.values()),
+        kept=len(conversations),
+        skipped=dict(skipped),
+        recovered_from_truncation=any(r.stream is not None and r.stream.truncated for r in readings.values()),
+        fixed=dict(fixed),
+        before_offset=sum(min(r.usable, offsets[name]) for name, r in readings.items()),
+        seconds=time.perf_counter() - start,
+        per_source={name: {"weight": weights[name], "share": weights[name] / scale, "kept": parts[name],
+                           "read": readings[name].read, "skipped": dict(readings[name].skipped),
+                           "duplicates": duplicates[name], "offset": offsets[name]}
+                    for name in weights},
+    )
+    log.info("%s", report.summary())
+    return conversations, report

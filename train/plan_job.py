@@ -25,7 +25,7 @@ from fledge.core.errors import ConfigError
 from fledge.core.files import atomic_write_text
 from fledge.data.cache import CacheConfig
 from fledge.data.cache_job import CacheJobConfig
-from fledge.data.sources import DataConfig, load_conversations
+from fledge.data.sources import CODE_SOURCE, SHIPPED_SOURCE, DataConfig, load_conversations
 from fledge.models.draft import Eagle3Config
 from fledge.models.shapes import VerifierShape, resolve_shape
 from fledge.models.verifier import DTYPES, VerifierConfig
@@ -165,7 +165,7 @@ class DataEstimate:
 
 
 def _source_exists(source: str) -> bool:
-    if source in ("sharegpt", "mtbench", "humaneval") or source.startswith("hf:"):
+    if source in ("sharegpt", "mtbench", "humaneval", SHIPPED_SOURCE, CODE_SOURCE) or source.startswith("hf:"):
         return True
     return Path(source).expanduser().exists()
 
@@ -175,17 +175,19 @@ def estimate_data(cfg: PlanJobConfig) -> DataEstimate:
     if cfg.conversations is not None and cfg.tokens_per_conversation is not None:
         mean = min(cfg.tokens_per_conversation, cfg.data.max_length)
         return DataEstimate(cfg.conversations, [round(mean)], 1.0, "given (conversations, tokens_per_conversation)")
-    source = cfg.data.source
+    source = cfg.data.describe()
     note = f"data.source {source}"
-    if not _source_exists(source):
+    data = cfg.data
+    missing = [name for name in cfg.data.source_names() if not _source_exists(name)]
+    if missing:
         if cfg.estimate_from is None:
             raise ConfigError(
-                f"data.source {source} does not exist yet: nothing to count conversations or tokens from",
+                f"data.source {', '.join(missing)} does not exist yet: nothing to count conversations or tokens from",
                 fix="give conversations=N tokens_per_conversation=M, or estimate_from=<a source to measure instead>",
             )
-        note = f"{cfg.estimate_from} (data.source {source} does not exist yet)"
+        note = f"{cfg.estimate_from} (data.source {', '.join(missing)} does not exist yet)"
         source = cfg.estimate_from
-    data = dataclasses.replace(cfg.data, source=source)
+        data = dataclasses.replace(cfg.data, source=source, sources=None)
     conversations, report = load_conversations(data)
     if not conversations:
         raise ConfigError(f"{source}: no usable conversation ({report.summary()})", fix="check data.source")
