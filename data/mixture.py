@@ -3,6 +3,10 @@
 Each source gives weight / Σ weights of the conversations. ``max_conversations`` and ``offset`` count the whole
 mixture and are shared out by the same apportionment (largest remainders), so that a held-out slice taken with
 ``offset`` = the training slice's ``max_conversations`` starts, in every source, where the training slice ended.
+The offset passes over what the mixture without it kept (in each source, the first conversations whose prompt no
+earlier source had), and the slice after it skips every prompt passed over in any source, so the two slices share no
+prompt even when sources overlap (ShareGPT and the verifier's answers to ShareGPT's prompts). This holds exactly when
+the training mixture filled its shares; after a shrunk one, take the held-out slice from another source.
 A source too short for its share shrinks the whole mixture (the weights hold; the report says which source
 bound it). A conversation whose user turns were already taken from an earlier source is skipped and counted
 (``duplicates``): the same prompt twice, once with each source's answer, would weigh it double. The result is

@@ -726,14 +726,33 @@ def _load_mixture(cfg: DataConfig) -> tuple[list[Conversation], LoadReport]:
     taken: dict[str, list[Conversation]] = {}
     readings: dict[str, Reading] = {}
     duplicates: Counter = Counter()
-    seen: set[str] = set()
+    passed: Counter = Counter()
+    streams: dict[str, Iterator[Conversation]] = {}
+    # The offset first, in every source: it passes over what the same mixture without it kept (each source's first
+    # conversations whose prompt no earlier source had), so that the slice after a training slice shares no prompt
+    # with it, whichever source had the prompt in training.
+    before: set[str] = set()
     for name in weights:
-        reading = readings[name] = Reading(name)
+        readings[name] = Reading(name)
+        streams[name] = usable_conversations(name, cfg, 0, readings[name])
+        mine: set[str] = set()
+        while passed[name] < offsets[name]:
+            conversation = next(streams[name], None)
+            if conversation is None:
+                break
+            key = prompt_key(conversation)
+            if key not in before:  # as the run without the offset: duplicates within a source count
+                passed[name] += 1
+                mine.add(key)
+        before |= mine
+    seen = set(before)  # the prompts passed over, then those taken from earlier sources
+    for name in weights:
+        reading = readings[name]
         # At least one, even for a share of 0, so that a source that yields nothing is refused whatever the size.
         want = None if quotas is None else max(quotas[name], 1)
         got: list[Conversation] = []
         keys: set[str] = set()
-        for conversation in usable_conversations(name, cfg, offsets[name], reading):
+        for conversation in streams[name]:
             key = prompt_key(conversation)
             if key in seen:
                 duplicates[name] += 1
@@ -772,7 +791,7 @@ def _load_mixture(cfg: DataConfig) -> tuple[list[Conversation], LoadReport]:
         skipped=dict(skipped),
         recovered_from_truncation=any(r.stream is not None and r.stream.truncated for r in readings.values()),
         fixed=dict(fixed),
-        before_offset=sum(min(r.usable, offsets[name]) for name, r in readings.items()),
+        before_offset=sum(passed.values()),
         seconds=time.perf_counter() - start,
         per_source={name: {"weight": weights[name], "share": weights[name] / scale, "kept": parts[name],
                            "read": readings[name].read, "skipped": dict(readings[name].skipped),

@@ -86,6 +86,27 @@ def test_a_prompt_taken_from_an_earlier_source_is_skipped_and_counted(tmp_path):
     assert "2 duplicate prompts skipped" in report.summary()
 
 
+def test_the_slice_after_a_training_slice_shares_no_prompt_even_when_sources_overlap(tmp_path):
+    # A human source and the verifier's answers to much the same prompts (as sharegpt and sharegpt-smollm2): the
+    # second source's training slice passed over the duplicates, so its offset must too.
+    human = _write(tmp_path / "human.jsonl", [f"prompt {i}" for i in range(40)])
+    own = _write(tmp_path / "own.jsonl", [f"prompt {i}" if i % 2 else f"own {i}" for i in range(60)])
+    weights = {human: 1, own: 1}
+    for size in (2, 6, 10, 15):
+        train, _ = load_conversations(DataConfig(sources=weights, max_conversations=size))
+        held, _ = load_conversations(DataConfig(sources=weights, max_conversations=10, offset=size))
+        assert len(train) == size and len(held) == 10
+        assert not {prompt_key(c) for c in train} & {prompt_key(c) for c in held}, size
+        # Nothing between the two slices is lost either: the held-out slice starts, in each source, at its first
+        # prompt after the training slice that the training slice did not hold.
+        trained = set(_prompts(train))
+        for name in (human, own):
+            lines = [json.loads(line)["messages"][0]["content"] for line in Path(name).read_text().splitlines()]
+            last = max(i for i, p in enumerate(lines) if p in trained)
+            first = next(p for p in lines[last + 1:] if p not in trained)
+            assert first in _prompts(held), (size, name)
+
+
 def test_a_short_source_shrinks_the_mixture_so_that_the_weights_hold(tmp_path, caplog):
     big = _write(tmp_path / "big.jsonl", [f"big {i}" for i in range(30)])
     small = _write(tmp_path / "small.jsonl", [f"small {i}" for i in range(3)])
