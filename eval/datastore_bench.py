@@ -4,6 +4,7 @@ verifier's own answers, so the rounds are the ones decoding would make), the dat
 
     python -m fledge.eval.datastore_bench                 # datastore_holdout lines: τ and tokens proposed per round
     python -m fledge.eval.datastore_bench --min-ngram 3   # another table
+    python -m fledge.eval.datastore_bench --alternatives 4 16   # rows with other occurrences' continuations
 """
 
 from __future__ import annotations
@@ -19,28 +20,37 @@ from fledge.eval.drafters import PromptLookupDrafter
 
 
 def simulate_lookup(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], lookup: PromptLookupDrafter,
-                    num_tokens: int = 5, max_new_tokens: int = 128) -> dict[str, float]:
+                    num_tokens: int = 5, max_new_tokens: int = 128, alternatives: int = 0) -> dict[str, float]:
     """Greedy speculative rounds of a lookup drafter alone over known answers, without a model: each round proposes
     a continuation of (prompt + the answer so far), accepts its prefix that matches the answer, and commits that
     prefix and the next answer token. ``pairs``: (prompt ids, answer ids) where the answer is the verifier's greedy
-    one, so the rounds are the ones decoding would make. Returns τ and the tokens proposed per round."""
+    one, so the rounds are the ones decoding would make. With ``alternatives`` the round is a tree: the latest
+    continuation plus that many tokens of other occurrences' (``PromptLookupDrafter.alternatives``, as the hybrid's
+    ``lookup_nodes``), accepting its longest path that matches. Returns τ and the tokens proposed per round."""
     tokens = rounds = proposed = 0
     for prompt, answer in pairs:
         answer = list(answer[:max_new_tokens])
         lookup.start(torch.tensor(list(prompt), dtype=torch.long), None)
         t = 0
         while t < len(answer):
-            guess = lookup.continuation([], num_tokens).tolist()
-            k = 0
-            while k < len(guess) and t + k < len(answer) and guess[k] == answer[t + k]:
-                k += 1
+            guesses = [lookup.continuation([], num_tokens).tolist()]
+            guesses += [g.tolist() for g in lookup.alternatives(num_tokens, alternatives)]
+            k = max(_matched(guess, answer, t) for guess in guesses)
             lookup.advance(torch.tensor(answer[t: t + k + 1], dtype=torch.long), None)
             t += k + 1
             rounds += 1
-            proposed += len(guess)
+            proposed += len({tuple(g[:j]) for g in guesses for j in range(1, len(g) + 1)})
         tokens += len(answer)
     return {"tau": tokens / rounds if rounds else 0.0, "proposed_per_round": proposed / rounds if rounds else 0.0,
             "rounds": rounds}
+
+
+def _matched(guess: Sequence[int], answer: Sequence[int], t: int) -> int:
+    """How many tokens of ``guess`` match ``answer`` from position ``t`` on."""
+    k = 0
+    while k < len(guess) and t + k < len(answer) and guess[k] == answer[t + k]:
+        k += 1
+    return k
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-ngram", type=int, default=4)
     parser.add_argument("--min-ngram", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=5, help="tokens proposed per round at most (num_draft_tokens)")
+    parser.add_argument("--alternatives", type=int, nargs="*", default=[2, 4, 8],
+                        help="rows with this many tokens of other occurrences' continuations (hybrid_lookup_nodes)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     tokenizer = load_tokenizer(VerifierConfig())
@@ -72,9 +84,12 @@ def main(argv: list[str] | None = None) -> int:
               ids(next(m["content"] for m in c if m["role"] == "assistant"))) for c in held]
     print(f"datastore: {store.tokens:,} tokens of {len(kept)} answers, {len(store):,} n-grams "
           f"(n = {args.min_ngram}..{args.max_ngram}), built in {store.seconds:.1f} s; {len(held)} answers held out")
-    for name, datastore in (("prompt_lookup", None), ("lookup+datastore", store)):
+    rows = [("prompt_lookup", None, 0), ("lookup+datastore", store, 0)]
+    rows += [(f"{name}+{n}alt", datastore, n) for name, datastore in (("prompt_lookup", None), ("lookup+datastore", store))
+             for n in args.alternatives]
+    for name, datastore, alternatives in rows:
         lookup = PromptLookupDrafter.matching(args.min_ngram, datastore=datastore)
-        figures = simulate_lookup(pairs, lookup, args.tokens)
+        figures = simulate_lookup(pairs, lookup, args.tokens, alternatives=alternatives)
         print(f"datastore_holdout {name} tau {figures['tau']:.3f} proposed_per_round "
               f"{figures['proposed_per_round']:.2f} rounds {figures['rounds']}")
     return 0

@@ -12,6 +12,10 @@ from fledge.models.draft import DraftKVCache, Eagle3Draft
 from fledge.models.sampling import SamplingParams
 
 
+MAX_OCCURRENCES = 32
+"""The most earlier occurrences of an n-gram whose continuations ``PromptLookupDrafter.alternatives`` counts."""
+
+
 class PromptLookupDrafter:
     """n-gram prompt lookup: find the latest earlier occurrence of the last n tokens and propose what followed.
 
@@ -64,24 +68,60 @@ class PromptLookupDrafter:
     def propose_chain(self, n: int, sampling: SamplingParams, generator: torch.Generator | None) -> ChainDraft:
         return ChainDraft(tokens=self.continuation([], n), q=None)
 
+    def _matches(self, tail: torch.Tensor) -> torch.Tensor:
+        """Where the continuations of the longest n-gram ending ``tail`` that occurred earlier in the committed
+        context start (ascending); empty when none of ``min_ngram`` tokens or more did."""
+        context = self._buffer[: self._length]
+        for size in range(min(self.max_ngram, tail.numel() - 1, self._length - 1), self.min_ngram - 1, -1):
+            # Windows of the committed context that end before its last token, so a match always has a continuation.
+            windows = context[:-1].unfold(0, size, 1)
+            hits = torch.nonzero((windows == tail[-size:]).all(dim=1))
+            if hits.numel():
+                return hits[:, 0] + size
+        return torch.empty(0, dtype=torch.long)
+
     def continuation(self, extra: list[int], n: int) -> torch.Tensor:
         """Up to ``n`` tokens that followed the latest earlier occurrence of the context's last n-gram, the context
         read as if ``extra`` (tokens not committed yet, a draft's guess) followed it; where the context has none,
         the datastore's continuation of its last tokens (if there is a datastore); empty when nothing matches."""
         context = self._buffer[: self._length]
         tail = torch.cat([context, torch.tensor(extra, dtype=torch.long)]) if extra else context
-        for size in range(min(self.max_ngram, tail.numel() - 1, self._length - 1), self.min_ngram - 1, -1):
-            # Windows of the committed context that end before its last token, so a match always has a continuation.
-            windows = context[:-1].unfold(0, size, 1)
-            hits = torch.nonzero((windows == tail[-size:]).all(dim=1))
-            if hits.numel():
-                start = int(hits[-1, 0]) + size
-                return context[start : start + n].clone()
+        starts = self._matches(tail)
+        if starts.numel():
+            start = int(starts[-1])
+            return context[start : start + n].clone()
         if self.datastore is not None:
             found = self.datastore.continuation(tail[-self.datastore.max_ngram:].tolist(), n)
             if found:
                 return torch.tensor(found, dtype=torch.long)
         return torch.empty(0, dtype=torch.long)
+
+    def alternatives(self, n: int, nodes: int, occurrences: int = MAX_OCCURRENCES) -> list[torch.Tensor]:
+        """Paths of up to ``n`` tokens that the other earlier occurrences of the context's last n-gram continued
+        with (the latest one's continuation is ``continuation``), ``nodes`` tokens in all at most: the prefixes most
+        of the ``occurrences`` latest ones share first (then the shorter, then the more recent), leaving out the
+        latest continuation's own prefixes. A prefix's count is never below its extensions', so the chosen prefixes
+        hang together; each returned path ends at a chosen prefix that no other chosen one extends, most shared
+        first. Empty without a match in the context (the datastore proposes one continuation only)."""
+        if nodes <= 0:
+            return []
+        context = self._buffer[: self._length]
+        starts = self._matches(context)
+        if starts.numel() < 2:
+            return []
+        latest = context[int(starts[-1]) : int(starts[-1]) + n].tolist()
+        taken = {tuple(latest[:j]) for j in range(1, len(latest) + 1)}
+        counts: dict[tuple[int, ...], int] = {}
+        for start in reversed(starts[-occurrences - 1 : -1].tolist()):  # latest first: ties go to the recent
+            path = context[start : start + n].tolist()
+            for j in range(1, len(path) + 1):
+                key = tuple(path[:j])
+                if key not in taken:
+                    counts[key] = counts.get(key, 0) + 1
+        order = {key: i for i, key in enumerate(counts)}
+        chosen = sorted(counts, key=lambda key: (-counts[key], len(key), order[key]))[:nodes]
+        extended = {key[:-1] for key in chosen}
+        return [torch.tensor(key, dtype=torch.long) for key in chosen if key not in extended]
 
     def propose_tree(self, shape: TreeShape, sampling: SamplingParams, generator: torch.Generator | None) -> DraftTree:
         raise NotImplementedError("prompt lookup proposes chains only; use method=chain")
@@ -267,7 +307,10 @@ class HybridDrafter:
     needs_aux = True
     supports_tree = True
 
-    def __init__(self, eagle: EagleDrafter, lookup: PromptLookupDrafter, draft_tokens: int = 0, extend: int = 0):
+    def __init__(self, eagle: EagleDrafter, lookup: PromptLookupDrafter, draft_tokens: int = 0, extend: int = 0,
+                 lookup_nodes: int = 0):
+        if lookup_nodes < 0:
+            raise ConfigError(f"hybrid lookup_nodes must be >= 0 (0: off), got {lookup_nodes}")
         if draft_tokens < 0:
             raise ConfigError(f"hybrid draft_tokens must be >= 0 (0: the chain's length), got {draft_tokens}")
         if extend < 0:
@@ -279,6 +322,9 @@ class HybridDrafter:
         self.extend = extend
         """Trees: the draft's first ``extend`` first tokens each get a lookup continuation too, found as if that
         token were committed (0: only the root's lookup branch)."""
+        self.lookup_nodes = lookup_nodes
+        """Trees: up to this many more tokens from the other earlier occurrences of the last n-gram, the
+        continuations most of them share first (``PromptLookupDrafter.alternatives``; 0: the latest one's only)."""
         self.aux_layer_ids = eagle.aux_layer_ids
         self.draft_to_target = eagle.draft_to_target
         self.target_vocab_size = eagle.target_vocab_size
@@ -289,10 +335,13 @@ class HybridDrafter:
         self.lookup_rejected = 0
         """Rounds where the verifier rejected a token of the lookup's proposal (the chain, or the tree's root branch):
         the committed tokens left it before its end."""
+        self.alternative_nodes = 0
+        """Tokens of other occurrences' continuations added to trees (``lookup_nodes``)."""
         self._offered: list[int] = []
 
     def fresh(self) -> HybridDrafter:
-        return HybridDrafter(self.eagle.fresh(), self.lookup.fresh(), self.draft_tokens, self.extend)
+        return HybridDrafter(self.eagle.fresh(), self.lookup.fresh(), self.draft_tokens, self.extend,
+                             self.lookup_nodes)
 
     def draft_length(self, n: int) -> int:
         return min(n, self.draft_tokens) if self.draft_tokens else n
@@ -346,6 +395,11 @@ class HybridDrafter:
             self.used_lookup += 1
         for branch in branches:
             tree = with_branch(tree, branch.to(tree.tokens.device))
+        if self.lookup_nodes:
+            size = tree.size
+            for branch in self.lookup.alternatives(shape.branch_depth, self.lookup_nodes):
+                tree = with_branch(tree, branch.to(tree.tokens.device))
+            self.alternative_nodes += tree.size - size
         return tree
 
 

@@ -65,6 +65,10 @@ class EvalJobConfig:
     """Trees: the hybrid also hangs a lookup continuation under each of the draft's first ``hybrid_extend`` first
     tokens, found as if that token were committed (when the draft is right, the text it starts is often one the
     context repeats); 0: only the root's lookup branch."""
+    hybrid_lookup_nodes: int = 0
+    """Trees: the hybrid also adds up to this many tokens from the continuations of the other earlier occurrences
+    of the last n-gram, the ones most of them share first (the latest occurrence's continuation is always there);
+    0: the latest one's only. Deterministic candidates: exact, as the root branch."""
     hybrid_datastore: str | None = None
     """Where the context holds no earlier occurrence of its last n-gram, the hybrid's lookup takes the continuation
     that most often followed its last 4, 3 or 2 tokens in a datastore of the verifier's own answers
@@ -124,7 +128,8 @@ def run(cfg: EvalJobConfig) -> dict[str, Any]:
             lookup = PromptLookupDrafter.matching(cfg.hybrid_min_ngram, cfg.prompt_lookup_max_ngram, store)
             drafters[f"eagle3+lookup{suffix}"] = HybridDrafter(EagleDrafter(drafter.draft, cfg.draft_min_prob), lookup,
                                                                draft_tokens=cfg.hybrid_draft_tokens,
-                                                               extend=cfg.hybrid_extend)
+                                                               extend=cfg.hybrid_extend,
+                                                               lookup_nodes=cfg.hybrid_lookup_nodes)
     if is_sweep_dir(cfg.draft or ""):
         draft_meta["sweep_jobs"] = {str(r["job"]): r["overrides"] for _, r in sweep_jobs(cfg.draft, "train")}
     if cfg.prompt_lookup:

@@ -112,5 +112,11 @@ def test_lookup_rounds_over_known_answers_measure_what_the_datastore_adds(capsys
                                                                              datastore=store), 5)
     # rounds: 20 | 10 | 11 (nothing ends in a known 2-gram yet) | then "10 11" -> 12 13 14 15: 3 accepted + 14
     assert helped["rounds"] == 4 and helped["tau"] == 6 / 4
+    # "5" occurred twice: the latest continuation (6 8) is wrong after 6, the other occurrence's (6 7) is right.
+    pair = [([5, 6, 7, 0, 5, 6, 8, 0, 5], [6, 7, 9])]
+    latest = simulate_lookup(pair, PromptLookupDrafter(max_ngram=1, min_ngram=1), 2)
+    assert latest == {"tau": 3 / 2, "proposed_per_round": 2.0, "rounds": 2}  # 6 accepted, then 7 -> "0 5" misses
+    both = simulate_lookup(pair, PromptLookupDrafter(max_ngram=1, min_ngram=1), 2, alternatives=2)
+    assert both == {"tau": 3.0, "proposed_per_round": 3.0, "rounds": 1}  # nodes 6, 6-8, 6-7: 6 7 accepted, + 9
     with pytest.raises(ConfigError, match="--holdout"):
         main(["--holdout", "0"])

@@ -261,8 +261,10 @@ def hybrid_check(verifier, method, batch_size, made=None, runs=None):
                            max_ngram=2, min_ngram=1)
 
     def factory():
-        # extend=2: the draft's first two first tokens carry lookup continuations too (hybrid_extend)
-        made.append(HybridDrafter(eagle(), PromptLookupDrafter(max_ngram=2, min_ngram=1, datastore=store), extend=2))
+        # extend=2: the draft's first two first tokens carry lookup continuations too (hybrid_extend); and up to 3
+        # tokens of other occurrences' continuations (hybrid_lookup_nodes)
+        made.append(HybridDrafter(eagle(), PromptLookupDrafter(max_ngram=2, min_ngram=1, datastore=store), extend=2,
+                                  lookup_nodes=3))
         return made[-1]
 
     # The lookup branch may reach deeper than the draft's own tree (TreeShape.lookup_depth).
@@ -289,6 +291,7 @@ def test_hybrid_drafter_is_exact(verifier, method, batch_size):
     assert store.hits > 0  # some of it from the datastore
     if method == "tree":
         assert sum(d.extended for d in made) > 0  # and branches under the draft's first tokens
+        assert sum(d.alternative_nodes for d in made) > 0  # and other occurrences' continuations
 
 
 def test_the_hybrid_check_detects_a_three_point_shift(verifier, monkeypatch):

@@ -543,6 +543,66 @@ def test_hybrid_extend_hangs_lookup_continuations_under_the_drafts_first_tokens(
     assert result.tokens == plain
 
 
+def test_hybrid_lookup_nodes_adds_the_continuations_most_other_occurrences_share(verifier):
+    """``hybrid_lookup_nodes``: beside the latest occurrence's continuation, the prefixes most of the other
+    occurrences of the last n-gram continued with, within the node budget; batch 1 and the batched hybrid build the
+    same trees, and the greedy output stays plain greedy's."""
+    from fledge.core.errors import ConfigError
+    from fledge.eval.batch_draft import batch_drafter
+
+    # "5 6" occurred four times before the end: followed by 7 8 (twice), 7 9 and, latest, 3 4.
+    context = torch.tensor([5, 6, 7, 8, 1, 5, 6, 7, 9, 1, 5, 6, 7, 8, 2, 5, 6, 3, 4, 1, 5, 6])
+    lookup = PromptLookupDrafter(max_ngram=2, min_ngram=2)
+    lookup.start(context, None)
+    assert lookup.continuation([], 2).tolist() == [3, 4]
+    paths = lambda nodes: [p.tolist() for p in lookup.alternatives(2, nodes)]  # noqa: E731
+    assert paths(0) == []
+    assert paths(1) == [[7]]  # shared by all three others
+    assert paths(2) == [[7, 8]]  # 7 8 twice, 7 9 once
+    assert paths(3) == [[7, 8], [7, 9]]
+    assert paths(9) == [[7, 8], [7, 9]]  # nothing more to add
+    assert [p.tolist() for p in lookup.alternatives(2, 9, occurrences=1)] == [[7, 8]]  # the latest other only
+    lookup.start(torch.tensor([5, 6, 1, 2]), None)
+    assert lookup.alternatives(2, 9) == []  # no match
+
+    shape = TreeShape(depth=1, top_k=2, total_tokens=2, lookup_depth=2)
+
+    def tree(nodes: int) -> DraftTree:
+        hybrid = HybridDrafter(FixedTree([7, 3]), PromptLookupDrafter(max_ngram=2, min_ngram=2), lookup_nodes=nodes)
+        hybrid.start(context, None)
+        return hybrid.propose_tree(shape, SamplingParams(), None), hybrid
+
+    base, _ = tree(0)
+    assert base.tokens.tolist() == [7, 3, 4] and base.parents.tolist() == [-1, -1, 1]
+    more, hybrid = tree(3)  # 7 is the draft's own first token: only 8 and 9 are new nodes
+    assert more.tokens.tolist() == [7, 3, 4, 8, 9] and more.parents.tolist() == [-1, -1, 1, 0, 0]
+    assert more.depths.tolist() == [1, 1, 2, 2, 2] and hybrid.alternative_nodes == 2
+    with pytest.raises(ConfigError, match="lookup_nodes"):
+        HybridDrafter(FixedTree([1]), PromptLookupDrafter(), lookup_nodes=-1)
+
+    draft = random_eagle(verifier)
+    repeating = torch.tensor([3, 17, 42, 3, 17, 40, 3, 17, 42, 5, 3, 17, 41, 6, 3, 17])
+    aux = verifier_aux(verifier, repeating.tolist())[:-1]
+
+    def real(nodes: int = 4) -> HybridDrafter:
+        return HybridDrafter(EagleDrafter(draft), PromptLookupDrafter(max_ngram=2, min_ngram=1), lookup_nodes=nodes)
+
+    alone, plain_hybrid = real(), real(0)
+    alone.start(repeating, aux)
+    plain_hybrid.start(repeating, aux)
+    tree_shape = TreeShape(depth=2, top_k=2, total_tokens=3, lookup_depth=3)
+    expected = alone.propose_tree(tree_shape, SamplingParams(), None)
+    assert expected.size > plain_hybrid.propose_tree(tree_shape, SamplingParams(), None).size
+    batched = batch_drafter([real(), real()])
+    batched.start([repeating, repeating], [aux, aux])
+    for got in batched.propose_trees([tree_shape, tree_shape], SamplingParams(), None):
+        assert got.tokens.tolist() == expected.tokens.tolist() and got.parents.tolist() == expected.parents.tolist()
+    plain = generate_plain(verifier, repeating, max_new_tokens=MAX_NEW).tokens
+    made = real()
+    result = generate_tree(verifier, repeating, made, shape=tree_shape, max_new_tokens=MAX_NEW, aux_layer_ids=AUX_IDS)
+    assert result.tokens == plain and made.alternative_nodes > 0
+
+
 def test_load_eagle_drafter_from_training_and_serving_checkpoints(tiny_verifier_dir, tmp_path):
     """Both checkpoint kinds load into an EagleDrafter that proposes exactly what the original draft proposes."""
     from fledge.eval.runner import load_eagle_drafter
