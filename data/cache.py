@@ -389,6 +389,15 @@ class CacheReader:
         except (FileNotFoundError, ValueError) as e:
             raise CacheError(f"{self.path}: {e}", fix="rebuild the cache with `fledge cache cache.overwrite=true`") from e
 
+    def token_counts(self) -> torch.Tensor:
+        """[vocab_size] how often each verifier token is in the loss, over the cached conversations."""
+        from fledge.data.vocab import load_token_counts
+
+        try:
+            return load_token_counts(self.path / "draft_vocab.safetensors")
+        except (FileNotFoundError, ValueError) as e:
+            raise CacheError(f"{self.path}: {e}", fix="rebuild the cache with `fledge cache cache.overwrite=true`") from e
+
     def _damaged(self, path: Path, what: str) -> CacheError:
         return CacheError(
             f"{path}: damaged shard: {what}",

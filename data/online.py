@@ -185,6 +185,9 @@ class OnlineSource:
     def draft_vocab(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.prep.d2t, self.prep.t2d
 
+    def token_counts(self) -> torch.Tensor:
+        return self.prep.counts
+
     def rows(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
         """The rows of ``indices``, in order: one verifier forward per padded length among them."""
         for i in indices:

@@ -87,6 +87,17 @@ def save_draft_vocab(path: Path, d2t: torch.Tensor, t2d: torch.Tensor, counts: t
     atomic_write(path, lambda tmp: save_file(tensors, str(tmp)))
 
 
+def load_token_counts(path: Path) -> torch.Tensor:
+    """The token counts [vocab_size] a draft vocabulary file was chosen from (``save_draft_vocab``)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no draft vocabulary file")
+    tensors = load_file(str(path))
+    if "counts" not in tensors:
+        raise ValueError(f"{path}: holds no token counts (written before they were kept)")
+    return tensors["counts"]
+
+
 def load_draft_vocab(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t, t2d) from a file written by ``save_draft_vocab``, checked."""
     path = Path(path)

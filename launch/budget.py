@@ -53,7 +53,8 @@ MIN_PROMPTS, MAX_PROMPTS = 4, 80
 EVAL_SHARE = 0.15
 """Of the budget, what the evaluation may take beyond its minimum of 8 prompts."""
 # Per-stage costs that do not scale with the sizes (process start, loading, the dtype probe, writing the report,
-# measuring v(k)), in seconds; calibrated on the 2-core AVX2 box from plan-vs-actual (README, "Time budget").
+# measuring v(k)), in seconds; calibrated on the 2-core AVX2 box from plan-vs-actual
+# (docs/experiments/2026-12-01-budget-and-levers.md).
 STAGE_FIXED_S = {"cache": 20.0, "train": 25.0, "eval": 45.0, "export": 5.0}
 
 
@@ -281,7 +282,7 @@ def probe_box(
     # Training: one step (after one untimed) at the run's shapes, in the dtype train.dtype=auto will pick.
     hf = prep.verifier.model.config
     heads = hf.num_attention_heads
-    draft_vocab = min(cache_job.cache.draft_vocab_size, hf.vocab_size)
+    draft_vocab = min(train_job.train.draft_vocab_size or cache_job.cache.draft_vocab_size, hf.vocab_size)
     dtype = choose_train_dtype(train_job.train.dtype, device, (512, hf.hidden_size, draft_vocab))
     bench = TrainBenchConfig(
         hidden_size=hf.hidden_size, intermediate_size=hf.intermediate_size, num_attention_heads=heads,

@@ -277,6 +277,39 @@ def test_the_lens_initialisation_reads_the_top_aux_layer_through_the_copied_head
         TrainConfig(head_init="lens", head_init_scale=0)
 
 
+def test_train_draft_vocab_size_chooses_the_vocabulary_again_from_the_caches_counts(cache, tmp_path):
+    """``train.draft_vocab_size=N``: the N tokens most often in the loss, from the counts the cache kept, without
+    caching again; the trained draft carries that vocabulary into its folder."""
+    import dataclasses
+
+    from fledge.data.cache import CacheReader
+    from fledge.data.vocab import build_draft_vocab, load_token_counts
+    from fledge.models.draft_folder import load_draft
+    from fledge.train.config import TrainConfig
+    from fledge.train.loop import build_draft
+
+    reader = CacheReader(cache)
+    cached_d2t, _ = reader.draft_vocab()
+    counts = load_token_counts(cache / "draft_vocab.safetensors")
+    size = cached_d2t.numel() // 2
+    draft, _ = build_draft(reader, dataclasses.replace(TrainConfig(), draft_vocab_size=size))
+    d2t, t2d = build_draft_vocab(counts, size)
+    assert draft.config.draft_vocab_size == size and torch.equal(draft.d2t, d2t) and torch.equal(draft.t2d, t2d)
+    # The most frequent tokens are kept: every kept token is counted at least as often as any left out.
+    kept = draft.d2t + torch.arange(size)
+    assert counts[kept].min() >= counts[~t2d].max()
+    same, _ = build_draft(reader, TrainConfig())
+    assert torch.equal(same.d2t, cached_d2t)  # 0: the cache's own
+    out = tmp_path / "run"
+    run_stage("train", train_overrides(cache, out, **{"train.max_steps": 1, "train.draft_vocab_size": size}))
+    trained = load_draft(out / "draft")
+    assert trained.config.draft_vocab_size == size and torch.equal(trained.d2t, d2t)
+    with pytest.raises(ConfigError, match="larger than the verifier's vocabulary"):
+        build_draft(reader, dataclasses.replace(TrainConfig(), draft_vocab_size=counts.numel() + 1))
+    with pytest.raises(ConfigError, match="draft_vocab_size must be >= 0"):
+        TrainConfig(draft_vocab_size=-1)
+
+
 def test_a_time_limit_ends_the_run_at_a_step_boundary_with_its_final_draft(cache, tmp_path):
     import time
 

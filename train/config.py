@@ -65,9 +65,14 @@ class TrainConfig:
     that layer through, the decoder layer's output projections start at zero; ``Eagle3Draft.init_as_lens``)."""
     head_init_scale: float = 1.0
     """Multiplies the copied final norm (head_init=verifier or lens): the copied head is as sharp as the verifier's
-    own, and on a hidden state it was not trained for that gives confident, wrong logits (README, "Levers")."""
+    own, and on a hidden state it was not trained for that gives confident, wrong logits
+    (docs/experiments/2026-12-01-budget-and-levers.md)."""
     freeze_head: bool = False
     """Keep ``lm_head`` and ``norm`` at their initial values (meant with head_init=verifier; fewer weights to train)."""
+    draft_vocab_size: int = 0
+    """0: the draft vocabulary the cache chose (``cache.draft_vocab_size``). N: the N tokens most often in the loss,
+    chosen again from the token counts the cache kept beside it, without caching again (the hidden states do not
+    depend on it), so that one cache serves drafts of several vocabulary sizes."""
     # ---- numerics
     dtype: str = "auto"
     """'fp32', 'bf16' autocast (fp32 weights, optimizer and gradient reduction; bf16 matrix products), or 'auto':
@@ -99,6 +104,8 @@ class TrainConfig:
             raise ConfigError(f"train.warmup_ratio must lie in [0, 1), got {self.warmup_ratio}")
         if self.clip_norm < 0:
             raise ConfigError(f"train.clip_norm must be >= 0 (0 = no clipping), got {self.clip_norm}")
+        if self.draft_vocab_size < 0:
+            raise ConfigError(f"train.draft_vocab_size must be >= 0 (0: the cache's), got {self.draft_vocab_size}")
         if self.max_steps < 0 or self.epochs < 0:
             raise ConfigError("train.max_steps and train.epochs must be >= 0")
         if self.max_steps == 0 and self.epochs <= 0:

@@ -33,6 +33,7 @@ from fledge.core.dist import DistInfo, all_reduce_sum, barrier, cleanup
 from fledge.core.errors import ConfigError, MismatchError
 from fledge.data.cache import CacheConfig, CacheReader
 from fledge.data.online import FirstEpochSource, OnlineSource, TrainDataConfig
+from fledge.data.vocab import build_draft_vocab
 from fledge.models.draft import Eagle3Config, Eagle3Draft
 from fledge.models.draft_folder import CHECKPOINTS, latest_checkpoint, write_final_draft
 from fledge.models.verifier import VerifierConfig, check_fingerprint, load_embed_and_head, load_final_norm
@@ -424,6 +425,12 @@ def build_draft(reader: TrainingData, train: TrainConfig) -> tuple[Eagle3Draft, 
     origin = f"the cache {reader.path}" if reader.path else "the online data"
     check_fingerprint(verifier_dir, reader.manifest["verifier"]["fingerprint"], origin)
     d2t, t2d = reader.draft_vocab()
+    if train.draft_vocab_size:
+        counts = reader.token_counts()
+        if train.draft_vocab_size > counts.numel():
+            raise ConfigError(f"train.draft_vocab_size={train.draft_vocab_size} is larger than the verifier's "
+                              f"vocabulary ({counts.numel()} tokens)", fix=f"give at most {counts.numel()}")
+        d2t, t2d = build_draft_vocab(counts, train.draft_vocab_size)
     config = Eagle3Config.from_verifier(
         AutoConfig.from_pretrained(verifier_dir), draft_vocab_size=int(d2t.numel()),
         aux_layer_ids=list(reader.manifest["aux_layer_ids"]),
