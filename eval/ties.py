@@ -6,7 +6,9 @@ different ones. That is the verifier's own ambiguity, not a loss of exactness, a
 the outputs alone. So at each first difference the two competing tokens are scored again:
 
 * the reference: the prefix (prompt + the common tokens) through the verifier in float32, one full forward;
-* the rounding: the same forward in the evaluation's dtype; δ, the larger change it makes to the two tokens' logits;
+* the rounding: the same prefix in the evaluation's dtype, twice: one full forward, and the prefix cached with its
+  last tokens in blocks of ``ROUNDING_BLOCK``, as a speculative round checks them; δ, the largest change either
+  draw makes to the two tokens' logits or to the position's top-8;
 * the gap: |l32(plain's token) - l32(the loop's token)|.
 
 The difference is a **tie** when the gap is within what rounding can flip, ``gap <= 2δ + tolerance·eps·scale`` (each
@@ -18,9 +20,18 @@ from the two tokens: a band of 0.5-1 logit in bf16 that forgave an injected RoPE
 
 The first difference says nothing of the tokens after it, which follow another prefix. ``TieJudge.recheck`` checks
 every position of an output instead: one float32 forward over the prompt and the output, teacher-forced, gives at
-each position the verifier's own argmax after the output's own prefix, and one forward in the evaluation's dtype
-gives δ there. A token that is not that argmax is a tie or a mismatch by the same rule. Plain decoding is checked
-alike, so a loop's count can be read against the baseline's.
+each position the verifier's own argmax after the output's own prefix, and the two draws in the evaluation's dtype
+(the full forward; the prompt cached, the output in blocks) give δ there. A token that is not that argmax is a tie
+or a mismatch by the same rule. Plain decoding is checked alike, so a loop's count can be read against the
+baseline's.
+
+Why two draws: a bf16 logit's error depends on the shape of the forward that computed it, and one draw can
+understate what another shape does. At one position of an MT-bench answer (default verifier, bf16, three tokens
+within 0.22 logits in float32) the full forward moved the three logits by 0.005-0.09, the same prefix with its
+last token checked through the KV cache by 0.10-0.19, and with 5 or 9 tokens checked at once by 0.09-0.21; the
+tree loop's forward picked a token that neither plain decoding nor float32 picked, 0.216 below the argmax, against
+a one-draw band of 0.209: reported as a mismatch although no loop was wrong (the same draft in float32 matched
+plain decoding). The second draw has the loop's own kind of shape.
 """
 
 from __future__ import annotations
@@ -30,6 +41,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
+from transformers import DynamicCache
+
+from fledge.models.verifier import cache_kwarg
 
 DEFAULT_TIE_TOLERANCE = 1.0
 """Multiples of eps·scale added to 2δ: about one ulp of the two logits themselves (half an ulp each), the rounding
@@ -59,22 +73,29 @@ class Divergence:
         return asdict(self)
 
 
+ROUNDING_BLOCK = 8
+"""The second draw of the rounding checks the output in blocks of this many tokens against the cached prompt (and
+the cached blocks before), the shapes of a speculative round's verification."""
 ROUNDING_SAMPLE = 8
 """δ is the largest rounding error among the two tokens and the position's top-8 float32 logits: the measured forward
 is one draw of the rounding, and the loop's own forward (another shape) is another, so δ takes a high quantile of the
 errors of logits of that size rather than the two tokens' own errors alone."""
 
 
-def tie_band(exact: torch.Tensor, rounded: torch.Tensor, a: torch.Tensor, b: torch.Tensor, eps: float,
-             tolerance: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def tie_band(exact: torch.Tensor, rounded: torch.Tensor | list[torch.Tensor], a: torch.Tensor, b: torch.Tensor,
+             eps: float, tolerance: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(gap, δ, threshold) of token pairs ``a``, ``b`` [n] at rows of float32 logits ``exact`` [n, V] and their
-    rounded twins ``rounded`` [n, V]; a pair is a tie where gap <= threshold."""
+    rounded twins ``rounded`` [n, V] (or several draws of them: δ is the largest error of any); a pair is a tie
+    where gap <= threshold."""
     rows = torch.arange(exact.shape[0], device=exact.device)
     ea, eb = exact[rows, a], exact[rows, b]
     gap = (ea - eb).abs()
     top = exact.topk(min(ROUNDING_SAMPLE, exact.shape[-1]), dim=-1).indices
-    errors = (rounded.gather(-1, top) - exact.gather(-1, top)).abs().amax(dim=-1)
-    rounding = torch.maximum(errors, torch.maximum((rounded[rows, a] - ea).abs(), (rounded[rows, b] - eb).abs()))
+    rounding = torch.zeros_like(gap)
+    for draw in rounded if isinstance(rounded, list) else [rounded]:
+        errors = (draw.gather(-1, top) - exact.gather(-1, top)).abs().amax(dim=-1)
+        rounding = torch.maximum(rounding, torch.maximum(
+            errors, torch.maximum((draw[rows, a] - ea).abs(), (draw[rows, b] - eb).abs())))
     threshold = 2 * rounding + tolerance * eps * torch.maximum(ea.abs(), eb.abs())
     return gap, rounding, threshold
 
@@ -118,10 +139,27 @@ class TieJudge:
         """The last ``keep`` positions' logits [keep, V] in float32."""
         return model(input_ids=ids.view(1, -1).to(self.device), logits_to_keep=keep).logits[0].float()
 
-    def _both(self, ids: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    @torch.inference_mode()
+    def _blocked(self, ids: torch.Tensor, keep: int) -> torch.Tensor:
+        """The last ``keep`` positions' logits [keep, V] in float32, computed as a speculative loop would: the
+        tokens before them (or before the last ``ROUNDING_BLOCK``, if fewer are kept) cached in one forward, the
+        rest checked ``ROUNDING_BLOCK`` at a time against the cache."""
+        ids = ids.view(1, -1).to(self.device)
+        start = max(0, ids.shape[1] - max(keep, ROUNDING_BLOCK))
+        cache = DynamicCache()
+        kwarg = {cache_kwarg(self.model): cache}
+        if start > 0:
+            self.model(input_ids=ids[:, :start], use_cache=True, logits_to_keep=1, **kwarg)
+        blocks = [self.model(input_ids=ids[:, at:at + ROUNDING_BLOCK], use_cache=True, **kwarg).logits[0].float()
+                  for at in range(start, ids.shape[1], ROUNDING_BLOCK)]
+        return torch.cat(blocks)[-keep:]
+
+    def _both(self, ids: torch.Tensor, keep: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The float32 logits of the last ``keep`` positions, and the evaluation dtype's draws of them."""
         exact = self._logits(self.reference, ids, keep)
-        rounded = exact if self.reference is self.model else self._logits(self.model, ids, keep)
-        return exact, rounded
+        if self.reference is self.model:
+            return exact, [exact]
+        return exact, [self._logits(self.model, ids, keep), self._blocked(ids, keep)]
 
     def judge(self, prompt_id: str, prompt_ids: torch.Tensor, plain: list[int], loop: list[int]) -> Divergence:
         """Classify where ``loop`` first differs from ``plain`` (both greedy outputs after ``prompt_ids``)."""
