@@ -5,8 +5,9 @@ Speculative decoding lives on the cost of checking k tokens at once, v(k) in pla
 cost is decided by the matrix products of a handful of rows, and torch's default fp32 path (MKL) handles those
 badly on some CPUs. Measured on a 2-core AMD EPYC (AVX2) with the default verifier (SmolLM2-135M, fp32): MKL
 checked 2 tokens in 1.64 plain steps and 3 to 9 tokens in 2.04, while oneDNN with pre-packed weights took 1.10 and
-1.23-1.43, and decoded one token 5 % faster (``README``, "Speed"). Whether it pays elsewhere is a measurement,
-never an assumption: ``choose_linear_kernel`` times both on the model's own layer shapes.
+1.23-1.43, and decoded one token 5 % faster (docs/experiments/2026-12-01-speed.md, "Kernels"). Whether it pays
+elsewhere is a measurement, never an assumption: ``choose_linear_kernel`` times both on the model's own layer
+shapes.
 
 Only inference is affected (packed weights are constants: no gradient flows through them), and the choice is
 made once per loaded model, so plain and speculative decoding of one evaluation run the same arithmetic.
