@@ -195,3 +195,23 @@ def test_python_code_is_the_standard_librarys_documented_functions():
     conversations, report = load_conversations(DataConfig(source="python-code", max_conversations=5))
     assert len(conversations) == 5 and report.kept == 5
     assert [c[0]["role"] for c in conversations] == ["user"] * 5
+
+
+def test_a_mixture_cache_records_each_source_and_counts_the_vocabulary_over_all(tiny_verifier_dir, tmp_path,
+                                                                                 two_sources):
+    from fledge.data.vocab import load_token_counts
+    from fledge.launch.cli import run_stage
+    from fledge.models.verifier import VerifierConfig, load_tokenizer
+
+    chat, code = two_sources
+    cache = tmp_path / "cache"
+    run_stage("cache", [f"verifier.name_or_path={tiny_verifier_dir}", "verifier.dtype=float32",
+                        f"data.sources={{{chat}: 3, {code}: 1}}", "data.max_conversations=8",
+                        f"cache.dir={cache}", "cache.draft_vocab_size=64", "cache.device=cpu"])
+    manifest = json.loads((cache / "manifest.json").read_text())
+    per_source = manifest["source"]["report"]["per_source"]
+    assert (per_source[chat]["kept"], per_source[code]["kept"]) == (6, 2) and manifest["num_conversations"] == 8
+    # The draft vocabulary is counted over every source's answers: the code answers' own word is counted.
+    tokenizer = load_tokenizer(VerifierConfig(name_or_path=str(tiny_verifier_dir)))
+    counts = load_token_counts(cache / "draft_vocab.safetensors")
+    assert all(counts[t] > 0 for t in tokenizer(" code", add_special_tokens=False)["input_ids"])
