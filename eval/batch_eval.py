@@ -2,14 +2,15 @@
 
 Speculation pays less as the batch grows (the verifier's forward stops being memory-bound and checking k drafts per
 row costs more); users need the curve at the batch sizes they serve. For each batch size B, the prompts are decoded
-B at a time (``eval/batch.py``): plain decoding first, then each drafter on the same group, so that a change of load
+B at a time (``decode/loop.py``): plain decoding first, then each drafter on the same group, so that a change of load
 hits them alike. A drafter's tokens/s over plain's is its speed-up at B (pooled over the groups), with a bootstrap
 95 % interval over groups; with ``eval.hf_baseline`` each group is also decoded by Hugging Face ``generate`` as one
-left-padded batch, and a group's plain is the faster of the two (``baseline_vs_hf`` per B says which); τ and n-α come from its rows' rounds, and (greedy) every row is checked against plain
-decoding's row like the batch-1 report does (exact, tie or mismatch).
+left-padded batch, and a group's plain is the faster of the two (``baseline_vs_hf`` per B says which); τ and n-α
+come from its rows' rounds, and (greedy) every row is checked against plain decoding's row like the batch-1 report
+does (exact, tie or mismatch).
 
 The EAGLE-3 draft (alone or in the hybrid) proposes for every row in one batched forward per draft step
-(``eval/batch_draft.py``), as a serving engine does; prompt lookup proposes row by row, at no model cost.
+(``decode/batch_draft.py``), as a serving engine does; prompt lookup proposes row by row, at no model cost.
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from fledge.eval.batch import generate_batch
+from fledge.decode.accept import seeded_generator
+from fledge.decode.loop import generate
+from fledge.decode.proposals import Drafter
+from fledge.decode.result import DecodeResult
 from fledge.eval.hf_baseline import generate_hf_batch
 from fledge.eval.metrics import (
     AcceptanceTrace,
@@ -33,9 +37,6 @@ from fledge.eval.metrics import (
     summarize,
     trace_depth,
 )
-from fledge.eval.proposals import Drafter
-from fledge.eval.sampling import seeded_generator
-from fledge.eval.verifier_state import DecodeResult
 from fledge.models.verifier import Verifier
 
 
@@ -77,7 +78,7 @@ def evaluate_batched(
             drafter = dict(drafters).get(name) if name else None
             rows = None if drafter is None else [drafter.fresh() for _ in prompts]
             aux = drafter.aux_layer_ids if drafter is not None and drafter.needs_aux else None
-            return generate_batch(model, prompts, rows, method=methods.get(name, "plain") if name else "plain",
+            return generate(model, prompts, rows, method=methods.get(name, "plain") if name else "plain",
                                   max_new_tokens=max_new_tokens, aux_layer_ids=aux,
                                   generator=seeded_generator(verifier.device, cfg.seed), **common)
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fledge.eval.verifier_state import VerifierState
+from fledge.models.capture import capture_hidden
 from fledge.models.draft import DraftKVCache
 
 CLASSES = ("accepted", "outside_vocab", "in_top_k", "verifier_unsure", "mispredicted")
@@ -84,8 +84,10 @@ def first_tokens(
     device = eagle.device
     sequence = torch.cat([prompt_ids.cpu(), torch.tensor(list(answer), dtype=torch.long)])
     total = sequence.numel()
-    with VerifierState(model, eagle.aux_layer_ids) as state:
-        logits, aux = state.forward(sequence[:-1].to(state.device))
+    embed_device = model.get_input_embeddings().weight.device
+    with capture_hidden(model, list(eagle.aux_layer_ids), final=False) as captured:
+        logits = model(input_ids=sequence[:-1].to(embed_device).view(1, -1)).logits[0]
+        aux = torch.cat([a[0].to(embed_device) for a in captured.aux], dim=-1)
     # Row length - 1 + j of the verifier's logits chooses answer token j.
     chosen = logits[length - 1 :].float()
     probs = torch.softmax(chosen, dim=-1)

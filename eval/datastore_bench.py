@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import torch
 
 from fledge.core.errors import ConfigError
+from fledge.decode.drafters import PromptLookupDrafter
 from fledge.eval.datastore import NgramDatastore, answer_token_ids
-from fledge.eval.drafters import PromptLookupDrafter
 
 
 def simulate_lookup(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], lookup: PromptLookupDrafter,

@@ -19,10 +19,10 @@ import torch
 from fledge.core.errors import ConfigError
 from fledge.core.sweep import is_sweep_dir, sweep_jobs
 from fledge.data.sources import load_prompts
+from fledge.decode.drafters import EagleDrafter, HybridDrafter, PromptLookupDrafter
 from fledge.eval.batch_eval import batch_figures, batch_table
 from fledge.eval.breakdown import breakdown_figures, breakdown_lines
 from fledge.eval.datastore import load_datastore
-from fledge.eval.drafters import EagleDrafter, HybridDrafter, PromptLookupDrafter
 from fledge.eval.runner import (
     EvalConfig,
     evaluate,
@@ -53,7 +53,7 @@ class EvalJobConfig:
     """Also run the prompt-lookup (n-gram) drafter, the baseline that needs no training."""
     prompt_lookup_max_ngram: int = 3
     hybrid: bool = True
-    """Also run the draft and prompt lookup combined (``eval.drafters.HybridDrafter``) as its own row,
+    """Also run the draft and prompt lookup combined (``decode.drafters.HybridDrafter``) as its own row,
     ``eagle3+lookup``: the lookup continuation where the last n-gram occurred before, the draft elsewhere."""
     hybrid_min_ngram: int = 2
     """The shortest n-gram whose earlier occurrence makes the hybrid take the lookup continuation."""

@@ -19,10 +19,8 @@ from typing import Literal
 import torch
 from torch import nn
 
-from fledge.eval.batch import generate_batch
-from fledge.eval.chain import generate_chain
-from fledge.eval.proposals import Drafter, TreeShape
-from fledge.eval.tree import generate_tree
+from fledge.decode.loop import generate
+from fledge.decode.proposals import Drafter, TreeShape
 from fledge.models.sampling import SamplingParams, target_probs
 
 
@@ -146,23 +144,12 @@ def exactness_check(
     accepted = calls = 0
     for first in range(0, n_runs, max(batch_size, 1)):
         rows = min(max(batch_size, 1), n_runs - first)
-        if batch_size > 1:
-            # The runs as rows of batches (eval/batch.py): each row must be distributed as the verifier on its own.
-            results, _ = generate_batch(
-                verifier, [prompt_ids] * rows, [drafter_factory() for _ in range(rows)], method=method,
-                num_draft_tokens=num_draft_tokens, shape=tree_shape, max_new_tokens=max_new_tokens, sampling=sampling,
-                aux_layer_ids=aux_layer_ids, generator=generator,
-            )
-        elif method == "chain":
-            results = [generate_chain(
-                verifier, prompt_ids, drafter_factory(), num_draft_tokens=num_draft_tokens,
-                max_new_tokens=max_new_tokens, sampling=sampling, aux_layer_ids=aux_layer_ids, generator=generator,
-            )]
-        else:
-            results = [generate_tree(
-                verifier, prompt_ids, drafter_factory(), shape=tree_shape, max_new_tokens=max_new_tokens,
-                sampling=sampling, aux_layer_ids=aux_layer_ids, generator=generator,
-            )]
+        # The runs as rows of batches (batch 1: one row a call): each row must be distributed as the verifier alone.
+        results, _ = generate(
+            verifier, [prompt_ids] * rows, [drafter_factory() for _ in range(rows)], method=method,
+            num_draft_tokens=num_draft_tokens, shape=tree_shape, max_new_tokens=max_new_tokens, sampling=sampling,
+            aux_layer_ids=aux_layer_ids, generator=generator,
+        )
         for result in results:
             counts[tuple(result.tokens)] += 1
             accepted += sum(result.accepted)
@@ -223,7 +210,7 @@ def tiny_verifier(
 def random_eagle_factory(verifier: nn.Module, aux_layer_ids: list[int], seed: int = 0, peak: float = 50.0):
     """Drafter factory over a random-init EAGLE-3 draft whose vocabulary is half the verifier's (odd ids, mapped
     through d2t): a deliberately poor draft that still exercises fc, the KV cache and the vocabulary mapping."""
-    from fledge.eval.drafters import EagleDrafter
+    from fledge.decode.drafters import EagleDrafter
     from fledge.models.draft import Eagle3Config, Eagle3Draft
 
     vocab = int(verifier.config.vocab_size)

@@ -14,9 +14,9 @@ import torch
 
 from fledge.core.dist import pick_device
 from fledge.core.errors import ConfigError
-from fledge.eval.drafters import RandomDrafter
+from fledge.decode.drafters import RandomDrafter
+from fledge.decode.proposals import TreeShape
 from fledge.eval.exactness import exactness_check, random_eagle_factory, tiny_verifier
-from fledge.eval.proposals import TreeShape
 from fledge.models.sampling import SamplingParams
 
 DRAFTS = ("eagle", "random")
@@ -43,7 +43,7 @@ class ExactnessJobConfig:
     """Probability that the whole check fails a correct loop."""
     seed: int = 0
     batch_size: int = 1
-    """Runs decoded together as the rows of one batch (``eval/batch.py``); > 1 checks the batched loops, whose
+    """Runs decoded together as the rows of one batch (``decode/loop.py``); > 1 checks the batched loops, whose
     every row must be distributed as the verifier."""
     device: str = "cpu"
     """Where the loops run: ``cpu``, ``cuda``, ``cuda:1`` or ``auto`` (CUDA when there is one). The counts and the

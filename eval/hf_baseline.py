@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fledge.eval.verifier_state import DecodeResult, clock, stop_index
+from fledge.decode.result import DecodeResult, clock, stop_index
 from fledge.models.sampling import SamplingParams
 
 

@@ -21,10 +21,13 @@ from tqdm.auto import tqdm
 
 from fledge.core.errors import ConfigError
 from fledge.data.template import stop_token_ids
+from fledge.decode.accept import seeded_generator
+from fledge.decode.drafters import EagleDrafter, HybridDrafter
+from fledge.decode.loop import decode_one
+from fledge.decode.proposals import Drafter, TreeShape
+from fledge.decode.result import ROUND_PARTS, DecodeResult
 from fledge.eval.batch_eval import evaluate_batched, plot_batch
 from fledge.eval.breakdown import breakdown, first_tokens, plot_breakdown
-from fledge.eval.chain import generate_chain
-from fledge.eval.drafters import EagleDrafter, HybridDrafter
 from fledge.eval.hf_baseline import generate_hf
 from fledge.eval.metrics import (
     REFERENCE_DRAFTER,
@@ -38,12 +41,8 @@ from fledge.eval.metrics import (
     topk_acceptance,
     trace_depth,
 )
-from fledge.eval.proposals import Drafter, TreeShape
-from fledge.eval.sampling import seeded_generator
 from fledge.eval.ties import DEFAULT_TIE_TOLERANCE, TieJudge, recheck_summary
-from fledge.eval.tree import generate_tree
 from fledge.eval.tune import CostModel, measure_verify_cost
-from fledge.eval.verifier_state import ROUND_PARTS, DecodeResult, generate_plain
 from fledge.models.draft import Eagle3Config
 from fledge.models.draft_folder import load_draft
 from fledge.models.kernels import pack_linears
@@ -211,15 +210,11 @@ def _run(
     verifier: Verifier, prompt_ids: torch.Tensor, drafter: Drafter | None, method: str, cfg: EvalConfig,
     stop_ids: frozenset[int], max_new_tokens: int,
 ) -> DecodeResult:
-    generator = seeded_generator(verifier.device, cfg.seed)
-    common = dict(max_new_tokens=max_new_tokens, sampling=cfg.sampling(), stop_ids=stop_ids, generator=generator)
-    if drafter is None:
-        return generate_plain(verifier.model, prompt_ids, **common)
-    aux = drafter.aux_layer_ids if drafter.needs_aux else None  # the draft's own, from its config
-    if method == "tree":
-        return generate_tree(verifier.model, prompt_ids, drafter, shape=cfg.tree_shape(), aux_layer_ids=aux, **common)
-    return generate_chain(verifier.model, prompt_ids, drafter, num_draft_tokens=cfg.num_draft_tokens,
-                          aux_layer_ids=aux, **common)
+    aux = drafter.aux_layer_ids if drafter is not None and drafter.needs_aux else None  # the draft's own
+    return decode_one(verifier.model, prompt_ids, drafter, method="plain" if drafter is None else method,
+                      num_draft_tokens=cfg.num_draft_tokens, shape=cfg.tree_shape(), max_new_tokens=max_new_tokens,
+                      sampling=cfg.sampling(), stop_ids=stop_ids, aux_layer_ids=aux,
+                      generator=seeded_generator(verifier.device, cfg.seed))
 
 
 def _with_methods(drafters: dict[str, Drafter | None], cfg: EvalConfig) -> tuple[list[tuple[str, Drafter]],

@@ -42,8 +42,10 @@ from dataclasses import dataclass
 
 import torch
 
-from fledge.eval.proposals import Drafter, TreeShape
-from fledge.eval.verifier_state import VerifierState, clock
+from fledge.decode.batch_draft import batch_drafter
+from fledge.decode.proposals import Drafter, TreeShape
+from fledge.decode.result import clock
+from fledge.decode.session import VerifierSession
 from fledge.models.sampling import SamplingParams
 
 
@@ -317,16 +319,15 @@ def measure_verify_cost(
     device = next(model.parameters()).device
     ks = sorted(set(ks) | {1})
     best = {k: float("inf") for k in ks}
-    with VerifierState(model, aux_layer_ids) as state:
-        state.prefill(prompt_ids)
-        length = state.length
+    with VerifierSession(model, aux_layer_ids) as session:
+        session.prefill([prompt_ids])
         pool = prompt_ids.to(device).repeat(max(ks) // max(prompt_ids.numel(), 1) + 1)
         for attempt in range(repeats + 1):
             for k in ks:
                 start = clock(device)
-                state.forward(pool[:k])
+                session.forward([pool[:k]])
                 seconds = clock(device) - start
-                state.crop(length)
+                session.commit([[]])  # back to the prompt
                 if attempt:  # the first pass is untimed: first calls pay for allocation
                     best[k] = min(best[k], seconds)
     return relative_costs(best)
@@ -354,17 +355,18 @@ def measure_tree_draft_seconds(
     """Seconds of one greedy tree proposal of ``shape`` after the drafter has read the prompt (the fastest of
     ``repeats``, as for v(k))."""
     device = next(model.parameters()).device
-    with VerifierState(model, aux_layer_ids if drafter.needs_aux else None) as state:
-        aux = state.prefill(prompt_ids)
-    drafter.start(prompt_ids.to(device), aux)
+    with VerifierSession(model, aux_layer_ids if drafter.needs_aux else None) as session:
+        auxes = session.prefill([prompt_ids])
+    batch = batch_drafter([drafter.fresh()])  # what the loop runs at batch 1
+    batch.start([prompt_ids.cpu()], auxes)
     sampling = SamplingParams()
-    drafter.propose_tree(shape, sampling, None)  # untimed: first-call allocation
+    batch.propose_trees([shape], sampling, None)  # untimed: first-call allocation
     # Each proposal leaves speculative entries behind; advancing by nothing would need aux, so restart instead.
     seconds = []
     for _ in range(repeats):
-        drafter.start(prompt_ids.to(device), aux)
+        batch.start([prompt_ids.cpu()], auxes)
         start = clock(device)
-        drafter.propose_tree(shape, sampling, None)
+        batch.propose_trees([shape], sampling, None)
         seconds.append(clock(device) - start)
     return min(seconds)
 

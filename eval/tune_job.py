@@ -18,9 +18,9 @@ import torch
 
 from fledge.core.errors import ConfigError
 from fledge.data.sources import load_prompts
+from fledge.decode.drafters import EagleDrafter, HybridDrafter, PromptLookupDrafter
+from fledge.decode.proposals import TreeShape
 from fledge.eval.datastore import load_datastore
-from fledge.eval.drafters import EagleDrafter, HybridDrafter, PromptLookupDrafter
-from fledge.eval.proposals import TreeShape
 from fledge.eval.runner import EvalConfig, encode_prompt, evaluate, load_eagle_drafter
 from fledge.eval.tune import (
     PLAIN,

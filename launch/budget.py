@@ -255,8 +255,8 @@ def probe_box(
     from fledge.data.cache_bench import bare_forward
     from fledge.data.cache_job import prepare
     from fledge.data.sources import load_prompts
+    from fledge.decode.loop import decode_one
     from fledge.eval.runner import encode_prompt
-    from fledge.eval.verifier_state import generate_plain
     from fledge.models.verifier import load_verifier
     from fledge.train.bench import TrainBenchConfig, bench_dtype
     from fledge.train.engine import choose_train_dtype
@@ -298,12 +298,12 @@ def probe_box(
     # Decoding: plain greedy with a KV cache, in the kernel the evaluation decodes with.
     verifier = load_verifier(eval_job.verifier, device, decoding=True)
     prompt = encode_prompt(verifier.tokenizer, load_prompts(eval_job.prompts[0], 1)[0])
-    generate_plain(verifier.model, prompt, max_new_tokens=4)
+    decode_one(verifier.model, prompt, max_new_tokens=4)
     # The fastest of three short runs: a shared box's neighbours stall a 2-thread decode for whole seconds, and one
     # stalled run would size the evaluation (and refuse the budget) as if the box were that slow for good.
     decode_rate = 0.0
     for _ in range(DECODE_PROBE_RUNS):
-        result = generate_plain(verifier.model, prompt, max_new_tokens=16)
+        result = decode_one(verifier.model, prompt, max_new_tokens=16)
         steps = len(result.tokens)  # one step per token after the prefill (the first feeds the prompt's last token)
         decode_rate = max(decode_rate, steps / max(result.seconds - result.prefill_seconds, 1e-9))
     del verifier

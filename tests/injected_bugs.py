@@ -1,6 +1,6 @@
 """Bugs injected into the speculative loops on purpose: the negative controls of greedy exactness.
 
-Each bug is a context manager that patches the real loops (single-row chain and tree, the batched loop) the way a
+Each bug is a context manager that patches the real loop (``decode/loop.py``, at batch 1 and batch B) the way a
 plausible mistake would, and undoes it on exit. ``tests/test_exactness_real.py`` checks that every one is reported
 as a mismatch on the default verifier, in float32 and in bf16. Run as a script, this module prints the table
 (bug, loop, dtype → verdict) that docs/design.md quotes::
@@ -15,12 +15,10 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from fledge.eval import batch as batch_mod
-from fledge.eval import chain as chain_mod
-from fledge.eval import tree as tree_mod
-from fledge.eval.batch import BatchedVerifierState
-from fledge.eval.tree import children_lists
-from fledge.eval.verifier_state import VerifierState
+from fledge.decode import accept as accept_mod
+from fledge.decode import loop as loop_mod
+from fledge.decode.accept import children_lists
+from fledge.decode.session import VerifierSession
 
 
 @contextlib.contextmanager
@@ -67,10 +65,7 @@ def rope_off_by_one(model: torch.nn.Module) -> Iterator[None]:
 @contextlib.contextmanager
 def stale_kv(model: torch.nn.Module) -> Iterator[None]:
     """After each verification one entry of the block that should go (a rejected draft's key/value) stays cached."""
-    crop, commit, forward = VerifierState.crop, BatchedVerifierState.commit, BatchedVerifierState.forward
-
-    def buggy_crop(self, length):
-        crop(self, length + 1 if length < self.length else length)
+    commit, forward = VerifierSession.commit, VerifierSession.forward
 
     def recording_forward(self, inputs, parents=None):
         self._sizes = [int(x.numel()) for x in inputs]
@@ -80,13 +75,12 @@ def stale_kv(model: torch.nn.Module) -> Iterator[None]:
         sizes = getattr(self, "_sizes", None) or [0] * len(kept)
         commit(self, [k + [k[-1] + 1] if k[-1] + 1 < size else k for k, size in zip(kept, sizes)])
 
-    with _patched((VerifierState, "crop", buggy_crop), (BatchedVerifierState, "commit", buggy_commit),
-                  (BatchedVerifierState, "forward", recording_forward)):
+    with _patched((VerifierSession, "commit", buggy_commit), (VerifierSession, "forward", recording_forward)):
         yield
 
 
 def _chain_accept(wrong_count: bool, wrong_bonus: bool) -> Callable:
-    accept = chain_mod.greedy_accept
+    accept = accept_mod.greedy_accept
 
     def buggy(logits, draft_tokens):
         accepted, bonus, predicted = accept(logits, draft_tokens)
@@ -102,7 +96,7 @@ def _chain_accept(wrong_count: bool, wrong_bonus: bool) -> Callable:
 
 
 def _tree_walk(wrong_count: bool, wrong_bonus: bool) -> Callable:
-    walk = tree_mod.walk_greedy
+    walk = accept_mod.walk_greedy
 
     def buggy(logits, tree):
         path, bonus = walk(logits, tree)
@@ -124,8 +118,7 @@ def _tree_walk(wrong_count: bool, wrong_bonus: bool) -> Callable:
 def accept_one_more(model: torch.nn.Module) -> Iterator[None]:
     """At a rejection, the rejected draft (in a tree: the node's first child) is counted as accepted."""
     chain, tree = _chain_accept(True, False), _tree_walk(True, False)
-    with _patched((chain_mod, "greedy_accept", chain), (batch_mod, "greedy_accept", chain),
-                  (tree_mod, "walk_greedy", tree), (batch_mod, "walk_greedy", tree)):
+    with _patched((loop_mod, "greedy_accept", chain), (loop_mod, "walk_greedy", tree)):
         yield
 
 
@@ -134,8 +127,7 @@ def wrong_residual(model: torch.nn.Module) -> Iterator[None]:
     """At a rejection, the token emitted instead is the verifier's runner-up there, not its argmax (greedy's residual
     with the wrong token taken out)."""
     chain, tree = _chain_accept(False, True), _tree_walk(False, True)
-    with _patched((chain_mod, "greedy_accept", chain), (batch_mod, "greedy_accept", chain),
-                  (tree_mod, "walk_greedy", tree), (batch_mod, "walk_greedy", tree)):
+    with _patched((loop_mod, "greedy_accept", chain), (loop_mod, "walk_greedy", tree)):
         yield
 
 
@@ -150,14 +142,12 @@ BUGS: dict[str, Callable] = {
 def loops(model, prompts: list[torch.Tensor], plain: list[list[int]], max_new: int, aux_ids: list[int],
           which: tuple[str, ...] = ("chain", "tree", "hybrid", "batched chain", "batched tree")
           ) -> dict[str, list[list[int]]]:
-    """Each loop's greedy outputs: chain and tree with a drafter that knows plain decoding's output (so that long
-    runs are accepted and rejected), the hybrid (a random-init EAGLE-3 draft beside prompt lookup) as a tree, and
-    the batched chain and tree loops (all prompts in one batch)."""
-    from fledge.eval.batch import generate_batch
-    from fledge.eval.chain import generate_chain
-    from fledge.eval.drafters import EagleDrafter, HybridDrafter, PromptLookupDrafter
-    from fledge.eval.proposals import TreeShape
-    from fledge.eval.tree import generate_tree
+    """The loop's greedy outputs: at batch 1 (prompt by prompt), chain and tree with a drafter that knows plain
+    decoding's output (so that long runs are accepted and rejected) and the hybrid (a random-init EAGLE-3 draft
+    beside prompt lookup) as a tree; batched, chain and tree with all prompts in one batch."""
+    from fledge.decode.drafters import EagleDrafter, HybridDrafter, PromptLookupDrafter
+    from fledge.decode.loop import decode_one, generate
+    from fledge.decode.proposals import TreeShape
     from fledge.models.draft import Eagle3Config, Eagle3Draft
 
     from test_spec_loop import ReferenceDrafter
@@ -170,10 +160,10 @@ def loops(model, prompts: list[torch.Tensor], plain: list[list[int]], max_new: i
 
     out: dict[str, list[list[int]]] = {}
     if "chain" in which:
-        out["chain"] = [generate_chain(model, p, reference(i), num_draft_tokens=4, max_new_tokens=max_new).tokens
+        out["chain"] = [decode_one(model, p, reference(i), num_draft_tokens=4, max_new_tokens=max_new).tokens
                         for i, p in enumerate(prompts)]
     if "tree" in which:
-        out["tree"] = [generate_tree(model, p, reference(i), shape=shape, max_new_tokens=max_new).tokens
+        out["tree"] = [decode_one(model, p, reference(i), method="tree", shape=shape, max_new_tokens=max_new).tokens
                        for i, p in enumerate(prompts)]
     if "hybrid" in which:
         # The first 4,096 ids as the draft vocabulary: a real d2t mapping, and a head 12x cheaper than the full one.
@@ -185,13 +175,13 @@ def loops(model, prompts: list[torch.Tensor], plain: list[list[int]], max_new: i
         t2d[:draft_vocab] = True
         draft.set_draft_vocab(torch.zeros(draft_vocab, dtype=torch.long), t2d)
         draft = draft.to(next(model.parameters()).dtype).eval()
-        out["hybrid"] = [generate_tree(model, p, HybridDrafter(EagleDrafter(draft), PromptLookupDrafter()),
-                                       shape=shape, max_new_tokens=max_new, aux_layer_ids=aux_ids).tokens
+        out["hybrid"] = [decode_one(model, p, HybridDrafter(EagleDrafter(draft), PromptLookupDrafter()), method="tree",
+                                    shape=shape, max_new_tokens=max_new, aux_layer_ids=aux_ids).tokens
                          for p in prompts]
     for method in ("chain", "tree"):
         if f"batched {method}" in which:
-            results, _ = generate_batch(model, prompts, [reference(i) for i in range(len(prompts))], method=method,
-                                        num_draft_tokens=4, shape=shape, max_new_tokens=max_new)
+            results, _ = generate(model, prompts, [reference(i) for i in range(len(prompts))], method=method,
+                                  num_draft_tokens=4, shape=shape, max_new_tokens=max_new)
             out[f"batched {method}"] = [r.tokens for r in results]
     return out
 
@@ -220,8 +210,8 @@ def default_setup(dtype: str, n_prompts: int, max_new: int):
     """The default verifier in ``dtype``, ``n_prompts`` MT-bench first turns, and its plain greedy outputs."""
     from fledge.data.sources import load_prompts
     from fledge.eval.runner import encode_prompt
-    from fledge.eval.verifier_state import generate_plain
     from fledge.models.verifier import VerifierConfig, load_verifier
+    from reference_decode import generate_plain
 
     verifier = load_verifier(VerifierConfig(dtype=dtype, linear_kernel="default"), decoding=True)
     prompts = [encode_prompt(verifier.tokenizer, {"id": p["id"], "turns": p["turns"][:1]})

@@ -20,16 +20,17 @@ from fledge.launch.cli import CONF_DIR, STAGES
 from fledge.train.loop import RESUME_INVARIANTS, CacheBinding, RunBinding, RuntimeBinding, TrainJobConfig
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("core", "models", "data", "train", "eval", "export", "launch")
+PACKAGES = ("core", "models", "decode", "data", "train", "eval", "export", "launch")
 # What each layer may import (besides itself): the pipeline's order, with export reading only what models own.
 ALLOWED = {
     "core": set(),
     "models": {"core"},
-    "data": {"core", "models"},
-    "train": {"core", "models", "data"},
-    "eval": {"core", "models", "data"},
+    "decode": {"core", "models"},
+    "data": {"core", "models", "decode"},
+    "train": {"core", "models", "decode", "data"},
+    "eval": {"core", "models", "decode", "data"},
     "export": {"core", "models"},
-    "launch": {"core", "models", "data", "train", "eval", "export"},
+    "launch": {"core", "models", "decode", "data", "train", "eval", "export"},
 }
 
 

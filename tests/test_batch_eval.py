@@ -1,4 +1,4 @@
-"""Batched decoding (``eval/batch.py``, ``eval/batch_draft.py``, ``eval/batch_eval.py``) on tiny random verifiers:
+"""Batched decoding (``decode/loop.py``, ``decode/batch_draft.py``, ``eval/batch_eval.py``) on tiny random verifiers:
 every row's greedy output equals its batch-1 output, the batched draft proposes what each row's drafter alone would,
 rows stay exact under sampling (χ²), and the batch sweep's report, table, figures and plot."""
 
@@ -10,11 +10,10 @@ import random
 import pytest
 import torch
 
-from fledge.eval.drafters import EagleDrafter, PromptLookupDrafter
+from fledge.decode.drafters import EagleDrafter, PromptLookupDrafter
+from fledge.decode.proposals import TreeShape
 from fledge.eval.exactness import tiny_verifier
-from fledge.eval.proposals import TreeShape
 from fledge.eval.runner import EvalConfig, evaluate
-from fledge.eval.verifier_state import generate_plain
 from fledge.models.draft import Eagle3Config, Eagle3Draft
 from fledge.models.sampling import SamplingParams
 from fledge.models.verifier import VerifierConfig, load_verifier
@@ -30,6 +29,8 @@ from test_spec_loop import (
     random_eagle,
     verifier_aux,
 )
+
+from reference_decode import generate_plain
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -47,7 +48,7 @@ BATCH_PROMPTS = [PROMPT, PROMPT[:3], torch.tensor([9]), torch.tensor([1, 2, 3, 4
 def test_batched_greedy_rows_equal_their_batch_one_outputs(verifier, method):
     """Rows of different lengths advance by their own accepted lengths and finish at different rounds (a stop token
     and the length limit); each row's output is its batch-1 plain greedy output, its drafter fed the right features."""
-    from fledge.eval.batch import generate_batch
+    from fledge.decode.loop import generate
 
     references = [generate_plain(verifier, p, max_new_tokens=MAX_NEW).tokens for p in BATCH_PROMPTS]
     stop = references[1][5]  # row 1 stops early; others may too, where the token recurs
@@ -56,9 +57,9 @@ def test_batched_greedy_rows_equal_their_batch_one_outputs(verifier, method):
     drafters = None
     if method != "plain":
         drafters = [SpyDrafter(len(p), ref, seed=i) for i, (p, ref) in enumerate(zip(BATCH_PROMPTS, references))]
-    results, seconds = generate_batch(verifier, BATCH_PROMPTS, drafters, method=method, num_draft_tokens=4,
-                                      shape=SHAPE, max_new_tokens=MAX_NEW, stop_ids=frozenset({stop}),
-                                      aux_layer_ids=AUX_IDS)
+    results, seconds = generate(verifier, BATCH_PROMPTS, drafters, method=method, num_draft_tokens=4,
+                                shape=SHAPE, max_new_tokens=MAX_NEW, stop_ids=frozenset({stop}),
+                                aux_layer_ids=AUX_IDS)
     assert [r.tokens for r in results] == expected and seconds > 0
     assert len({len(r.tokens) for r in results}) > 1  # rows did finish at different lengths
     if method != "plain":
@@ -77,7 +78,7 @@ def test_batched_eagle_proposes_what_each_row_would_alone(verifier, method):
     """The batched draft (one forward per draft step for every row, its own ragged KV cache) proposes, row by row,
     exactly what an ``EagleDrafter`` of that row alone proposes: over rounds of commits of different lengths, a
     one-token prompt, a row that leaves the batch, and chains of different lengths (0 included)."""
-    from fledge.eval.batch_draft import BatchedEagle, RowwiseBatch, batch_drafter
+    from fledge.decode.batch_draft import BatchedEagle, RowwiseBatch, batch_drafter
 
     draft = random_eagle(verifier).double()  # float64: summation order cannot flip an argmax
     prompts = [PROMPT, torch.tensor([9]), PROMPT[:3], torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12])]
@@ -133,28 +134,28 @@ def test_batched_eagle_proposes_what_each_row_would_alone(verifier, method):
 def test_batched_plain_decoding_is_hugging_face_generate_at_the_same_batch(verifier):
     """The baseline every batched speed-up divides by: the same tokens as ``generate`` over the same left-padded
     batch (prompts of 1 to 14 tokens, a stop token cutting rows short)."""
-    from fledge.eval.batch import generate_batch
+    from fledge.decode.loop import generate
     from fledge.eval.hf_baseline import generate_hf_batch
 
-    ours, _ = generate_batch(verifier, BATCH_PROMPTS, None, method="plain", max_new_tokens=MAX_NEW)
+    ours, _ = generate(verifier, BATCH_PROMPTS, None, method="plain", max_new_tokens=MAX_NEW)
     theirs, seconds = generate_hf_batch(verifier, BATCH_PROMPTS, max_new_tokens=MAX_NEW)
     assert [r.tokens for r in ours] == [r.tokens for r in theirs] and seconds > 0
     stop = ours[0].tokens[5]
-    ours, _ = generate_batch(verifier, BATCH_PROMPTS, None, method="plain", max_new_tokens=MAX_NEW,
-                             stop_ids=frozenset({stop}))
+    ours, _ = generate(verifier, BATCH_PROMPTS, None, method="plain", max_new_tokens=MAX_NEW,
+                       stop_ids=frozenset({stop}))
     theirs, _ = generate_hf_batch(verifier, BATCH_PROMPTS, max_new_tokens=MAX_NEW, stop_ids=frozenset({stop}))
     assert [r.tokens for r in ours] == [r.tokens for r in theirs]
     assert len(ours[0].tokens) <= 6
 
 
 def test_batched_sliding_window_rows_equal_batch_one():
-    from fledge.eval.batch import generate_batch
+    from fledge.decode.loop import generate
 
     model = tiny_verifier("mistral", vocab_size=VOCAB, hidden_size=64, num_layers=2, peak=4.0, seed=2,
                           sliding_window=6)
     references = [generate_plain(model, p, max_new_tokens=16).tokens for p in BATCH_PROMPTS]
     drafters = [ReferenceDrafter(len(p), ref, seed=i) for i, (p, ref) in enumerate(zip(BATCH_PROMPTS, references))]
-    results, _ = generate_batch(model, BATCH_PROMPTS, drafters, method="tree", shape=SHAPE, max_new_tokens=16)
+    results, _ = generate(model, BATCH_PROMPTS, drafters, method="tree", shape=SHAPE, max_new_tokens=16)
     assert [r.tokens for r in results] == references
 
 

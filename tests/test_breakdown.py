@@ -8,6 +8,8 @@ import json
 import pytest
 import torch
 
+from fledge.decode.drafters import EagleDrafter, HybridDrafter, PromptLookupDrafter
+from fledge.decode.loop import decode_one
 from fledge.eval.breakdown import (
     CLASSES,
     FirstToken,
@@ -16,13 +18,12 @@ from fledge.eval.breakdown import (
     breakdown_lines,
     first_tokens,
 )
-from fledge.eval.chain import generate_chain
-from fledge.eval.drafters import EagleDrafter, HybridDrafter, PromptLookupDrafter
 from fledge.eval.exactness import tiny_verifier
 from fledge.eval.runner import EvalConfig, evaluate
-from fledge.eval.verifier_state import generate_plain
 from fledge.models.draft import Eagle3Config, Eagle3Draft
 from fledge.models.verifier import VerifierConfig, load_verifier
+
+from reference_decode import generate_plain
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -75,7 +76,8 @@ def test_ranks_are_the_ones_a_greedy_chain_round_sees(draft_vocab_size):
     answer = generate_plain(verifier, PROMPT, max_new_tokens=40).tokens
     eagle = EagleDrafter(draft)
     eagle.rank_top_k = draft_vocab_size
-    result = generate_chain(verifier, PROMPT, eagle, num_draft_tokens=3, max_new_tokens=40, aux_layer_ids=AUX_IDS)
+    result = decode_one(verifier, PROMPT, eagle, method="chain", num_draft_tokens=3, max_new_tokens=40,
+                        aux_layer_ids=AUX_IDS)
     assert result.tokens == answer
     starts = _round_starts(result.accepted, result.proposed, result.topk_ranks)
     assert len(starts) >= 10

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from fledge.core.errors import ConfigError
+from fledge.decode.drafters import PromptLookupDrafter
 from fledge.eval.datastore import NgramDatastore, answer_token_ids, load_datastore
-from fledge.eval.drafters import PromptLookupDrafter
 from fledge.models.sampling import SamplingParams
 
 
@@ -65,7 +65,7 @@ def test_eval_with_a_datastore_of_the_verifiers_answers(tiny_verifier_dir, tmp_p
     """``hybrid_datastore=<file>`` and ``datastore_alone=true``: on prompts the verifier answered before, the
     datastore holds its answers, so the lookup with it accepts more than prompt lookup; every row stays exact."""
     from fledge.eval.runner import encode_prompt
-    from fledge.eval.verifier_state import generate_plain
+    from reference_decode import generate_plain
     from fledge.launch.cli import run_stage
 
     from conftest import write_random_draft_run

@@ -9,15 +9,15 @@ import math
 import pytest
 import torch
 
-import fledge.eval.chain
-import fledge.eval.tree
-from fledge.eval.datastore import NgramDatastore
-from fledge.eval.drafters import HybridDrafter, PromptLookupDrafter, RandomDrafter
+import fledge.decode.accept
+import fledge.decode.loop
+from fledge.decode.accept import leviathan_accept, multi_candidate_accept
+from fledge.decode.datastore import NgramDatastore
+from fledge.decode.drafters import HybridDrafter, PromptLookupDrafter, RandomDrafter
+from fledge.decode.proposals import ChainDraft, TreeShape, grow_tree, propose_chain_with
 from fledge.eval.exactness import (
     chi2_critical, chi_square, exact_joint, exactness_check, random_eagle_factory, tiny_verifier,
 )
-from fledge.eval.proposals import ChainDraft, TreeShape, grow_tree, propose_chain_with
-from fledge.eval.sampling import leviathan_accept, multi_candidate_accept
 from fledge.models.sampling import SamplingParams, sample, target_probs
 
 VOCAB = 16
@@ -202,14 +202,14 @@ def test_tree_loop_is_exact(verifier, draft, sampled_children, sampling):
 
 
 def test_check_fails_a_broken_chain_rule(verifier, monkeypatch):
-    monkeypatch.setattr(fledge.eval.chain, "leviathan_accept", broken_leviathan)
+    monkeypatch.setattr(fledge.decode.loop, "leviathan_accept", broken_leviathan)
     report = exactness_check(verifier, sharp_draft(verifier), "chain", RUNS, prompt_ids=PROMPT, sampling=SAMPLING)
     print(report.describe())
     assert not report.passed
 
 
 def test_check_fails_a_broken_tree_rule(verifier, monkeypatch):
-    monkeypatch.setattr(fledge.eval.tree, "multi_candidate_accept", broken_multi_candidate)
+    monkeypatch.setattr(fledge.decode.accept, "multi_candidate_accept", broken_multi_candidate)
     shape = TreeShape(depth=3, top_k=3, total_tokens=8, sampled_children=False)
     report = exactness_check(verifier, sharp_draft(verifier), "tree", 200, prompt_ids=PROMPT, sampling=SAMPLING,
                              tree_shape=shape)
@@ -301,7 +301,7 @@ def test_the_hybrid_check_detects_a_three_point_shift(verifier, monkeypatch):
     first = exact_joint(verifier, HYBRID_PROMPT, SAMPLING, 1)
     top, second = (int(i) for i in torch.topk(first, 2).indices)
     move = 0.03 / float(first[top])
-    real = exactness.generate_batch
+    real = exactness.generate
     g = torch.Generator().manual_seed(7)
 
     def shifted(*args, **kwargs):
@@ -311,7 +311,7 @@ def test_the_hybrid_check_detects_a_three_point_shift(verifier, monkeypatch):
                 r.tokens[0] = second
         return results, seconds
 
-    monkeypatch.setattr(exactness, "generate_batch", shifted)
+    monkeypatch.setattr(exactness, "generate", shifted)
     report, _ = hybrid_check(verifier, "chain", 100)
     assert not report.passed, report.describe()
 
@@ -320,8 +320,6 @@ def test_the_hybrid_check_detects_a_three_point_shift(verifier, monkeypatch):
 def test_a_broken_hybrid_fails_the_check(verifier, method, monkeypatch):
     """The hybrid's own bug: after the verifier rejects a lookup token (a point-mass proposal), the token emitted
     instead is drawn from p, the rejected token left in, instead of from p without it."""
-    from fledge.eval import batch as batch_mod
-
     def forgetful_leviathan(p, draft_tokens, q, generator):
         return broken_leviathan(p, draft_tokens, q, generator) if q is None else leviathan_accept(
             p, draft_tokens, q, generator)
@@ -330,30 +328,15 @@ def test_a_broken_hybrid_fails_the_check(verifier, method, monkeypatch):
         return broken_multi_candidate(p, candidates, q, generator) if q is None else multi_candidate_accept(
             p, candidates, q, generator)
 
-    monkeypatch.setattr(batch_mod, "leviathan_accept", forgetful_leviathan)
-    monkeypatch.setattr(batch_mod, "walk_sampled", _walk_with(forgetful_multi_candidate))
+    monkeypatch.setattr(fledge.decode.loop, "leviathan_accept", forgetful_leviathan)
+    monkeypatch.setattr(fledge.decode.accept, "multi_candidate_accept", forgetful_multi_candidate)
     report, _ = hybrid_check(verifier, method, 100)
     assert not report.passed, report.describe()
 
 
-def _walk_with(rule):
-    """``walk_sampled`` with another node rule (the real one calls ``multi_candidate_accept`` by module name)."""
-    from fledge.eval import tree as tree_mod
-
-    def walk(logits, tree, sampling, generator):
-        original = tree_mod.multi_candidate_accept
-        tree_mod.multi_candidate_accept = rule
-        try:
-            return tree_mod.walk_sampled(logits, tree, sampling, generator)
-        finally:
-            tree_mod.multi_candidate_accept = original
-
-    return walk
-
-
 def test_a_lookup_branch_joins_the_tree_where_it_agrees():
-    from fledge.eval.drafters import with_branch
-    from fledge.eval.proposals import DraftTree
+    from fledge.decode.drafters import with_branch
+    from fledge.decode.proposals import DraftTree
 
     # root -> 5 -> 6, root -> 7
     tree = DraftTree(tokens=torch.tensor([5, 7, 6]), parents=torch.tensor([-1, -1, 0]), depths=torch.tensor([1, 1, 2]),

@@ -13,17 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from fledge.eval.chain import generate_chain
-from fledge.eval.drafters import RandomDrafter
+from fledge.decode.drafters import RandomDrafter
+from fledge.decode.loop import decode_one
+from fledge.decode.proposals import TreeShape
 from fledge.eval.exactness import exactness_check, random_eagle_factory, tiny_verifier
-from fledge.eval.proposals import TreeShape
-from fledge.eval.tree import generate_tree
-from fledge.eval.verifier_state import generate_plain
 from fledge.launch.cli import run_stage
 from fledge.launch.quickstart import QuickstartConfig, run_pipeline
 from fledge.models.sampling import SamplingParams
 
 from conftest import write_sharegpt_jsonl
+from reference_decode import generate_plain
 
 ROOT = Path(__file__).resolve().parents[1]
 RANDOM_FILLERS = {"rand", "randn", "randint", "randperm", "bernoulli", "normal"}
@@ -94,9 +93,10 @@ def test_greedy_loops_equal_plain_decoding_on_cuda():
     prompt = torch.tensor([1, 5, 7, 2, 9, 3])
     plain = generate_plain(verifier, prompt, max_new_tokens=24).tokens
     drafter = random_eagle_factory(verifier, [0, 1, 2])()
-    chain = generate_chain(verifier, prompt, drafter, num_draft_tokens=4, max_new_tokens=24, aux_layer_ids=[0, 1, 2])
-    tree = generate_tree(verifier, prompt, drafter, shape=TreeShape(4, 4, 12), max_new_tokens=24,
-                         aux_layer_ids=[0, 1, 2])
+    chain = decode_one(verifier, prompt, drafter, method="chain", num_draft_tokens=4, max_new_tokens=24,
+                       aux_layer_ids=[0, 1, 2])
+    tree = decode_one(verifier, prompt, drafter, method="tree", shape=TreeShape(4, 4, 12), max_new_tokens=24,
+                      aux_layer_ids=[0, 1, 2])
     assert chain.tokens == plain and tree.tokens == plain
 
 

@@ -7,17 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fledge.eval.batch_draft import BatchedHybrid, batch_drafter
-from fledge.eval.chain import generate_chain
-from fledge.eval.drafters import EagleDrafter, HybridDrafter, PromptLookupDrafter
-from fledge.eval.proposals import DraftTree, TreeShape
-from fledge.eval.tree import generate_tree
-from fledge.eval.verifier_state import generate_plain
+from fledge.decode.batch_draft import BatchedHybrid, batch_drafter
+from fledge.decode.drafters import EagleDrafter, HybridDrafter, PromptLookupDrafter
+from fledge.decode.loop import decode_one
+from fledge.decode.proposals import DraftTree, TreeShape
 from fledge.models.sampling import SamplingParams
 
 from test_spec_loop import (  # noqa: F401 (the fixtures are used by name)
     AUX_IDS, MAX_NEW, PROMPT, VOCAB, random_eagle, reference, verifier, verifier_aux,
 )
+
+from reference_decode import generate_plain
 
 
 def check_real_hybrid(verifier, make, context: torch.Tensor, shape: TreeShape) -> HybridDrafter:
@@ -36,7 +36,8 @@ def check_real_hybrid(verifier, make, context: torch.Tensor, shape: TreeShape) -
         assert got.tokens.tolist() == expected.tokens.tolist() and got.parents.tolist() == expected.parents.tolist()
     plain = generate_plain(verifier, context, max_new_tokens=MAX_NEW).tokens
     made = make()
-    result = generate_tree(verifier, context, made, shape=shape, max_new_tokens=MAX_NEW, aux_layer_ids=AUX_IDS)
+    result = decode_one(verifier, context, made, method="tree", shape=shape, max_new_tokens=MAX_NEW,
+                        aux_layer_ids=AUX_IDS)
     assert result.tokens == plain
     return made
 
@@ -62,8 +63,8 @@ def test_hybrid_draft_tokens_shortens_the_drafts_chains_only(verifier, reference
     assert isinstance(batched, BatchedHybrid)
     batched.start([context, fresh], [aux[len(context)], aux[len(fresh)]])
     assert [c.tokens.numel() for c in batched.propose_chains([4, 4], SamplingParams(), None)] == [4, 1]
-    result = generate_chain(verifier, PROMPT, hybrid(), num_draft_tokens=4, max_new_tokens=MAX_NEW,
-                            aux_layer_ids=AUX_IDS)
+    result = decode_one(verifier, PROMPT, hybrid(), method="chain", num_draft_tokens=4, max_new_tokens=MAX_NEW,
+                        aux_layer_ids=AUX_IDS)
     assert result.tokens == reference and max(result.proposed) <= 4
     with pytest.raises(ValueError, match="draft_tokens must be >= 0"):
         HybridDrafter(EagleDrafter(draft), PromptLookupDrafter(), draft_tokens=-1)
@@ -100,7 +101,8 @@ def test_a_shallow_hybrid_tree_carries_a_long_lookup_branch(verifier, reference)
     assert [int(t.depths.max()) for t in batched.propose_trees([shape, shape], SamplingParams(), None)] == [4, 1]
     repeating = torch.tensor([3, 17, 42, 3, 17, 42, 3, 17])
     plain = generate_plain(verifier, repeating, max_new_tokens=MAX_NEW).tokens
-    result = generate_tree(verifier, repeating, hybrid(), shape=shape, max_new_tokens=MAX_NEW, aux_layer_ids=AUX_IDS)
+    result = decode_one(verifier, repeating, hybrid(), method="tree", shape=shape, max_new_tokens=MAX_NEW,
+                        aux_layer_ids=AUX_IDS)
     assert result.tokens == plain and max(result.proposed) > 1  # a lookup branch went past the draft's depth 1
     assert trace_depth("tree", 5, 1, result.proposed) == max(result.proposed)
     assert trace_depth("chain", 5, 1, result.proposed) == 5

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from fledge.core.errors import ConfigError
-from fledge.eval.verifier_state import generate_plain
 from fledge.models.kernels import choose_linear_kernel, onednn_available, pack_linears, use_linear_kernel
 from fledge.models.verifier import VerifierConfig, load_verifier
+
+from reference_decode import generate_plain
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),

@@ -1,6 +1,7 @@
-"""The speculative loops on tiny random verifiers: greedy output equals plain greedy decoding token for token (even
-with a draft that is almost never right), the verifier cache after rollback equals a fresh prefill, and one tree
-forward with the 4D mask equals running every root-to-node path on its own."""
+"""The decoding loop at batch 1 on tiny random verifiers: greedy output equals the reference plain greedy decoding
+(``tests/reference_decode.py``) token for token (even with a draft that is almost never right), the verifier session
+after rollback equals a fresh prefill, and one tree forward with the 4D mask equals running every root-to-node path
+on its own."""
 
 from __future__ import annotations
 
@@ -11,13 +12,13 @@ import statistics
 import pytest
 import torch
 
-from fledge.eval.chain import generate_chain
-from fledge.eval.drafters import EagleDrafter, HybridDrafter, PromptLookupDrafter, RandomDrafter
+from fledge.decode.drafters import EagleDrafter, HybridDrafter, PromptLookupDrafter, RandomDrafter
+from fledge.decode.loop import decode_one
+from fledge.decode.proposals import DraftTree, TreeShape, grow_tree, propose_chain_with
+from fledge.decode.result import ROUND_PARTS, DecodeResult
+from fledge.decode.session import VerifierSession
 from fledge.eval.exactness import tiny_verifier
-from fledge.eval.proposals import DraftTree, TreeShape, grow_tree, propose_chain_with
 from fledge.eval.runner import EvalConfig, draft_vocab_coverage, evaluate, stable_figures
-from fledge.eval.tree import generate_tree, tree_attention_mask
-from fledge.eval.verifier_state import ROUND_PARTS, DecodeResult, VerifierState, generate_plain
 from fledge.export.write import tau_from_report
 from fledge.models.capture import capture_hidden
 from fledge.models.draft import Eagle3Config, Eagle3Draft
@@ -25,6 +26,7 @@ from fledge.models.sampling import SamplingParams
 from fledge.models.verifier import VerifierConfig, load_verifier
 
 from conftest import write_random_draft_run
+from reference_decode import generate_chain, generate_plain, generate_tree
 
 VOCAB = 256
 
@@ -101,28 +103,30 @@ def reference(verifier):
 
 
 def test_chain_greedy_equals_plain_greedy(verifier, reference):
-    random_draft = generate_chain(verifier, PROMPT, RandomDrafter(VOCAB, seed=3), num_draft_tokens=4,
-                                  max_new_tokens=MAX_NEW)
+    random_draft = decode_one(verifier, PROMPT, RandomDrafter(VOCAB, seed=3), method="chain", num_draft_tokens=4,
+                              max_new_tokens=MAX_NEW)
     assert random_draft.tokens == reference
-    good_draft = generate_chain(verifier, PROMPT, ReferenceDrafter(len(PROMPT), reference, seed=4),
-                                num_draft_tokens=4, max_new_tokens=MAX_NEW)
+    good_draft = decode_one(verifier, PROMPT, ReferenceDrafter(len(PROMPT), reference, seed=4), method="chain",
+                            num_draft_tokens=4, max_new_tokens=MAX_NEW)
     assert good_draft.tokens == reference
     assert sum(good_draft.accepted) > 0, "the reference draft should get drafts accepted"
     assert good_draft.verifier_calls < random_draft.verifier_calls
 
 
 def test_tree_greedy_equals_plain_greedy(verifier, reference):
-    random_draft = generate_tree(verifier, PROMPT, RandomDrafter(VOCAB, seed=3), shape=SHAPE, max_new_tokens=MAX_NEW)
+    random_draft = decode_one(verifier, PROMPT, RandomDrafter(VOCAB, seed=3), method="tree", shape=SHAPE,
+                              max_new_tokens=MAX_NEW)
     assert random_draft.tokens == reference
-    good_draft = generate_tree(verifier, PROMPT, ReferenceDrafter(len(PROMPT), reference, seed=5), shape=SHAPE,
-                               max_new_tokens=MAX_NEW)
+    good_draft = decode_one(verifier, PROMPT, ReferenceDrafter(len(PROMPT), reference, seed=5), method="tree",
+                            shape=SHAPE, max_new_tokens=MAX_NEW)
     assert good_draft.tokens == reference
     assert max(good_draft.accepted) >= 2
     assert all(n <= SHAPE.total_tokens for n in good_draft.tree_nodes)
 
 
 def test_prompt_lookup_greedy_equals_plain_greedy(verifier, reference):
-    result = generate_chain(verifier, PROMPT, PromptLookupDrafter(), num_draft_tokens=5, max_new_tokens=MAX_NEW)
+    result = decode_one(verifier, PROMPT, PromptLookupDrafter(), method="chain", num_draft_tokens=5,
+                        max_new_tokens=MAX_NEW)
     assert result.tokens == reference
 
 
@@ -130,20 +134,21 @@ def test_stop_token_cuts_output(verifier, reference):
     stop = reference[len(reference) // 2]
     expected = reference[: reference.index(stop) + 1]
     assert generate_plain(verifier, PROMPT, max_new_tokens=MAX_NEW, stop_ids=frozenset({stop})).tokens == expected
-    chain = generate_chain(verifier, PROMPT, ReferenceDrafter(len(PROMPT), reference), num_draft_tokens=4,
-                           max_new_tokens=MAX_NEW, stop_ids=frozenset({stop}))
-    tree = generate_tree(verifier, PROMPT, ReferenceDrafter(len(PROMPT), reference), shape=SHAPE,
-                         max_new_tokens=MAX_NEW, stop_ids=frozenset({stop}))
+    chain = decode_one(verifier, PROMPT, ReferenceDrafter(len(PROMPT), reference), method="chain", num_draft_tokens=4,
+                       max_new_tokens=MAX_NEW, stop_ids=frozenset({stop}))
+    tree = decode_one(verifier, PROMPT, ReferenceDrafter(len(PROMPT), reference), method="tree", shape=SHAPE,
+                      max_new_tokens=MAX_NEW, stop_ids=frozenset({stop}))
     assert chain.tokens == expected and tree.tokens == expected
 
 
 def test_sampling_loops_run_to_length(verifier):
     sampling = SamplingParams(temperature=0.8, top_p=0.9, top_k=50)
     generator = torch.Generator().manual_seed(0)
-    chain = generate_chain(verifier, PROMPT, RandomDrafter(VOCAB), num_draft_tokens=3, max_new_tokens=12,
-                           sampling=sampling, generator=generator)
-    tree = generate_tree(verifier, PROMPT, RandomDrafter(VOCAB), shape=TreeShape(3, 3, 9, sampled_children=True),
-                         max_new_tokens=12, sampling=sampling, generator=generator)
+    chain = decode_one(verifier, PROMPT, RandomDrafter(VOCAB), method="chain", num_draft_tokens=3, max_new_tokens=12,
+                       sampling=sampling, generator=generator)
+    tree = decode_one(verifier, PROMPT, RandomDrafter(VOCAB), method="tree",
+                      shape=TreeShape(3, 3, 9, sampled_children=True), max_new_tokens=12, sampling=sampling,
+                      generator=generator)
     assert len(chain.tokens) == 12 and len(tree.tokens) == 12
 
 
@@ -156,12 +161,14 @@ def test_chain_rollback_equals_fresh_prefill(verifier):
     """Verify 5 drafts, accept 2, then decode on: the cache must hold exactly prompt + root + 2 drafts."""
     prefix = PROMPT.tolist()
     drafts = [11, 12, 13, 14, 15]
-    with torch.inference_mode(), VerifierState(verifier) as state:
-        state.forward(torch.tensor(prefix))
-        state.forward(torch.tensor([77] + drafts))
-        state.crop(len(prefix) + 1 + 2)
-        logits, _ = state.forward(torch.tensor([99]))
-    torch.testing.assert_close(logits[-1], fresh_last_logits(verifier, prefix + [77, 11, 12, 99]), atol=1e-4, rtol=1e-4)
+    with torch.inference_mode(), VerifierSession(verifier) as session:
+        session.prefill([torch.tensor(prefix + [77])])
+        session.forward([torch.tensor([77] + drafts)])
+        session.commit([[0, 1, 2]])
+        assert session.width == len(prefix) + 3
+        logits, _ = session.forward([torch.tensor([99])])
+    torch.testing.assert_close(logits[0, -1], fresh_last_logits(verifier, prefix + [77, 11, 12, 99]), atol=1e-4,
+                               rtol=1e-4)
 
 
 def test_tree_compaction_equals_fresh_prefill(verifier):
@@ -169,19 +176,16 @@ def test_tree_compaction_equals_fresh_prefill(verifier):
     prefix = PROMPT.tolist()
     tokens = torch.tensor([20, 21, 22, 23, 24, 25, 26])
     parents = torch.tensor([-1, -1, 0, 1, 1, 3, 4])
-    depths = torch.tensor([1, 1, 2, 2, 2, 3, 3])
     path = [1, 4, 6]  # 21 -> 24 -> 26
-    with torch.inference_mode(), VerifierState(verifier) as state:
-        state.forward(torch.tensor(prefix))
-        length = state.length
-        positions = length + torch.cat([torch.zeros(1, dtype=torch.long), depths])
-        mask = tree_attention_mask(parents, depths, length, torch.float32)
-        state.forward(torch.cat([torch.tensor([77]), tokens]), positions, mask)
-        state.keep(length + 1, path)
-        assert state.length == length + 1 + len(path)
-        logits, _ = state.forward(torch.tensor([99]))
+    with torch.inference_mode(), VerifierSession(verifier) as session:
+        session.prefill([torch.tensor(prefix + [77])])
+        length = session.width
+        session.forward([torch.cat([torch.tensor([77]), tokens])], [parents])
+        session.commit([[0] + [node + 1 for node in path]])
+        assert session.width == length + 1 + len(path)
+        logits, _ = session.forward([torch.tensor([99])])
     expected = fresh_last_logits(verifier, prefix + [77, 21, 24, 26, 99])
-    torch.testing.assert_close(logits[-1], expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[0, -1], expected, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])
@@ -192,14 +196,9 @@ def test_tree_mask_forward_equals_per_path_forwards(kind):
     prefix = PROMPT.tolist()
     tokens = [30, 31, 32, 33, 34, 35, 36, 37]
     parents = [-1, -1, -1, 0, 0, 2, 3, 3]
-    depths = [1, 1, 1, 2, 2, 2, 3, 3]
-    with torch.inference_mode(), VerifierState(model) as state:
-        state.forward(torch.tensor(prefix))
-        length = state.length
-        positions = length + torch.tensor([0] + depths)
-        mask = tree_attention_mask(torch.tensor(parents), torch.tensor(depths), length, torch.float32,
-                                   sliding_window=8 if kind == "mistral" else None)
-        logits, _ = state.forward(torch.tensor([77] + tokens), positions, mask)
+    with torch.inference_mode(), VerifierSession(model) as session:
+        session.prefill([torch.tensor(prefix + [77])])
+        logits, _ = session.forward([torch.tensor([77] + tokens)], [torch.tensor(parents)])
     for node in range(-1, len(tokens)):
         path = []
         walker = node
@@ -207,7 +206,7 @@ def test_tree_mask_forward_equals_per_path_forwards(kind):
             path.insert(0, tokens[walker])
             walker = parents[walker]
         expected = fresh_last_logits(model, prefix + [77] + path)
-        torch.testing.assert_close(logits[node + 1], expected, atol=1e-4, rtol=1e-4, msg=f"{kind} node {node}")
+        torch.testing.assert_close(logits[0, node + 1], expected, atol=1e-4, rtol=1e-4, msg=f"{kind} node {node}")
 
 
 def test_prompt_lookup_proposals():
@@ -254,13 +253,33 @@ def verifier_aux(verifier, tokens: list[int]) -> torch.Tensor:
 
 
 def test_eagle_greedy_equals_plain_greedy(verifier, reference):
-    chain = generate_chain(verifier, PROMPT, EagleDrafter(random_eagle(verifier)), num_draft_tokens=4,
-                           max_new_tokens=MAX_NEW, aux_layer_ids=AUX_IDS)
-    tree = generate_tree(verifier, PROMPT, EagleDrafter(random_eagle(verifier)), shape=SHAPE, max_new_tokens=MAX_NEW,
-                         aux_layer_ids=AUX_IDS)
+    chain = decode_one(verifier, PROMPT, EagleDrafter(random_eagle(verifier)), method="chain", num_draft_tokens=4,
+                       max_new_tokens=MAX_NEW, aux_layer_ids=AUX_IDS)
+    tree = decode_one(verifier, PROMPT, EagleDrafter(random_eagle(verifier)), method="tree", shape=SHAPE,
+                      max_new_tokens=MAX_NEW, aux_layer_ids=AUX_IDS)
     assert chain.tokens == reference and tree.tokens == reference
     with pytest.raises(ValueError, match="aux"):
-        generate_chain(verifier, PROMPT, EagleDrafter(random_eagle(verifier)), num_draft_tokens=4, max_new_tokens=4)
+        decode_one(verifier, PROMPT, EagleDrafter(random_eagle(verifier)), method="chain", num_draft_tokens=4,
+                   max_new_tokens=4)
+
+
+@pytest.mark.parametrize("method", ["chain", "tree"])
+def test_the_loop_at_batch_1_equals_the_reference_loops(verifier, reference, method):
+    """The one loop at batch 1 decodes what the simple batch-1 loops of ``tests/reference_decode.py`` decode, round
+    by round: the same tokens, accepted counts and proposals, greedy and sampled, with the EAGLE-3 draft (batched in
+    the loop, stepped row by row in the reference) and with a drafter that knows the answer."""
+    loop_kwargs = dict(max_new_tokens=MAX_NEW, aux_layer_ids=AUX_IDS)
+    loop_kwargs.update(num_draft_tokens=4) if method == "chain" else loop_kwargs.update(shape=SHAPE)
+    ref = generate_chain if method == "chain" else generate_tree
+    draft = random_eagle(verifier)
+    for sampling in (SamplingParams(), SamplingParams(temperature=0.8)):
+        for make in (lambda: EagleDrafter(draft), lambda: ReferenceDrafter(len(PROMPT), reference, seed=7)):
+            ours = decode_one(verifier, PROMPT, make(), method=method, sampling=sampling,
+                              generator=torch.Generator().manual_seed(3), **loop_kwargs)
+            theirs = ref(verifier, PROMPT, make(), sampling=sampling, generator=torch.Generator().manual_seed(3),
+                         **loop_kwargs)
+            assert (ours.tokens, ours.accepted, ours.proposed) == (theirs.tokens, theirs.accepted, theirs.proposed)
+            assert set(ours.parts) == set(ROUND_PARTS)
 
 
 def test_eagle_rollback_equals_fresh_start(verifier, reference):
@@ -326,9 +345,10 @@ def test_loop_hands_drafter_the_features_of_the_right_positions(verifier, refere
     """Feature t must pair with token t+1, whichever tree path was accepted: compare with one full forward."""
     spy = SpyDrafter(len(PROMPT), reference, seed=6)
     if method == "chain":
-        generate_chain(verifier, PROMPT, spy, num_draft_tokens=4, max_new_tokens=MAX_NEW, aux_layer_ids=AUX_IDS)
+        decode_one(verifier, PROMPT, spy, method="chain", num_draft_tokens=4, max_new_tokens=MAX_NEW,
+                   aux_layer_ids=AUX_IDS)
     else:
-        generate_tree(verifier, PROMPT, spy, shape=SHAPE, max_new_tokens=MAX_NEW, aux_layer_ids=AUX_IDS)
+        decode_one(verifier, PROMPT, spy, method="tree", shape=SHAPE, max_new_tokens=MAX_NEW, aux_layer_ids=AUX_IDS)
     sequence = PROMPT.tolist() + reference
     full_aux = verifier_aux(verifier, sequence)
     assert [token for token, _ in spy.pairs] == sequence[1 : len(spy.pairs) + 1]
@@ -478,7 +498,7 @@ def test_a_draft_for_another_verifier_is_refused_naming_both_sides(tiny_verifier
 
 
 def test_topk_ranks_cover_the_depths_a_round_reached():
-    from fledge.eval.chain import topk_ranks
+    from fledge.decode.loop import topk_ranks
 
     predicted = torch.tensor([5, 7, 9, 2])  # the verifier's argmax at the root and after drafts 1..3
     top_ids = torch.tensor([[5, 1], [3, 7], [9, 4]])  # the draft's top-2 at depths 1..3

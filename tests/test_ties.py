@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fledge.decode.drafters import PromptLookupDrafter
 from fledge.eval import runner
-from fledge.eval.drafters import PromptLookupDrafter
 from fledge.eval.exactness import tiny_verifier
 from fledge.eval.runner import EvalConfig, evaluate, mismatch_lines, report_table
 from fledge.eval.ties import TieJudge
-from fledge.eval.verifier_state import generate_plain
 from fledge.models.verifier import VerifierConfig, load_verifier
+
+from reference_decode import generate_plain
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPT = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
@@ -56,14 +57,15 @@ def test_in_bf16_the_rounding_is_measured_against_a_float32_copy(model):
 
 def test_evaluate_reports_ties_and_mismatches_and_the_job_fails_on_a_mismatch(tiny_verifier_dir, monkeypatch):
     verifier = load_verifier(VerifierConfig(name_or_path=str(tiny_verifier_dir), dtype="float32"))
-    real_chain = runner.generate_chain
+    real_decode = runner.decode_one
 
-    def broken_chain(*args, **kwargs):  # a loop that is not exact: its third token is off by one
-        result = real_chain(*args, **kwargs)
-        result.tokens[2] = (result.tokens[2] + 1) % len(verifier.tokenizer)
+    def broken_decode(*args, **kwargs):  # a loop that is not exact: its third token is off by one
+        result = real_decode(*args, **kwargs)
+        if kwargs["method"] != "plain":
+            result.tokens[2] = (result.tokens[2] + 1) % len(verifier.tokenizer)
         return result
 
-    monkeypatch.setattr(runner, "generate_chain", broken_chain)
+    monkeypatch.setattr(runner, "decode_one", broken_decode)
     prompts = [{"id": "a", "turns": ["Say hello."]}, {"id": "b", "turns": ["Count to three."]}]
     cfg = EvalConfig(max_new_tokens=6, warmup_tokens=0, hf_baseline=False, round_floor=False, out_dir=None)
     report = evaluate(verifier, {"toy": prompts}, {"lookup": PromptLookupDrafter()}, cfg)

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from fledge.eval.proposals import TreeShape
+from fledge.decode.proposals import TreeShape
 from fledge.eval.tune import (
     PLAIN,
     CostModel,
@@ -200,7 +200,7 @@ def test_the_hybrids_model_decodes_the_output_again_by_hand():
 
 
 def test_hybrid_positions_replay_the_lookup_over_the_output():
-    from fledge.eval.drafters import PromptLookupDrafter
+    from fledge.decode.drafters import PromptLookupDrafter
     from fledge.eval.tune_job import hybrid_positions
 
     # Prompt "1 2 3 1"; the chain run wrote 2 3 | 4 | 1 2 in three rounds.

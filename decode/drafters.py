@@ -1,4 +1,4 @@
-"""Drafters behind the ``Drafter`` protocol of ``eval/proposals.py``: n-gram prompt lookup, a random draft for
+"""Drafters behind the ``Drafter`` protocol of ``decode/proposals.py``: n-gram prompt lookup, a random draft for
 tests, and the EAGLE-3 draft head."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from fledge.core.errors import ConfigError
-from fledge.eval.datastore import NgramDatastore
-from fledge.eval.proposals import ChainDraft, DraftTree, TreeShape, grow_tree, propose_chain_with
+from fledge.decode.datastore import NgramDatastore
+from fledge.decode.proposals import ChainDraft, DraftTree, TreeShape, grow_tree, propose_chain_with
 from fledge.models.draft import DraftKVCache, Eagle3Draft
 from fledge.models.sampling import SamplingParams
 
@@ -33,7 +33,7 @@ class PromptLookupDrafter:
         self.min_ngram = min_ngram
         self.datastore = datastore
         """Where the context holds no earlier occurrence, the continuation the datastore's answers most often
-        had after the context's last tokens (``eval.datastore``); None: the context alone."""
+        had after the context's last tokens (``decode/datastore.py``); None: the context alone."""
         self._buffer = torch.empty(0, dtype=torch.long)
         self._length = 0
 

@@ -1,13 +1,13 @@
-"""Drafters of a batch: one object that proposes for every row of ``eval/batch.py``'s batch at once.
+"""Drafters of a batch: one object that proposes for every row of ``decode/loop.py``'s batch at once.
 
 ``BatchedEagle`` runs the EAGLE-3 draft over all rows in one forward per draft step, as a serving engine does: its
-KV cache holds the rows left-aligned at their own start column, like the verifier's (``BatchedVerifierState``),
+KV cache holds the rows left-aligned at their own start column, like the verifier's (``VerifierSession``),
 with each row's committed entries contiguous from its start and the columns after its end hidden by the mask.
 A proposal appends speculative blocks after the committed columns (one block per draft step, one column per node
 of each row); ``advance`` drops them, appends the rows' newly committed tokens as one block and moves each row's
 entries down to its end (the same indexed copy as the verifier's commit).
 
-The chain and tree logic is written once, as generators (``chain_steps``/``tree_steps`` in ``eval/proposals.py``):
+The chain and tree logic is written once, as generators (``chain_steps``/``tree_steps`` in ``decode/proposals.py``):
 ``BatchedEagle`` drives one generator per row and answers all their expand requests with one batched forward, so
 each row's proposal is the batch-1 drafter's, computed B rows at a time.
 
@@ -22,10 +22,11 @@ from typing import Protocol
 
 import torch
 
-from fledge.eval.drafters import EagleDrafter, HybridDrafter
-from fledge.eval.proposals import ChainDraft, Drafter, DraftTree, Steps, TreeShape, chain_steps, tree_steps
-from fledge.eval.ragged import committed_columns, move_kept
-from fledge.eval.tree import empty_tree
+from fledge.decode.drafters import EagleDrafter, HybridDrafter
+from fledge.decode.proposals import (
+    ChainDraft, Drafter, DraftTree, Steps, TreeShape, chain_steps, empty_tree, tree_steps,
+)
+from fledge.decode.ragged import committed_columns, move_kept
 from fledge.models.draft import DraftKVCache
 from fledge.models.sampling import SamplingParams
 

@@ -1,6 +1,6 @@
 """What a drafter hands the verifier: a chain or an EAGLE-2 dynamic tree, and the protocols drafters implement.
 
-A ``Drafter`` owns its state (KV cache, context, RNG); the loops in ``eval/chain.py`` and ``eval/tree.py`` tell it
+A ``Drafter`` owns its state (KV cache, context, RNG); the loop in ``decode/loop.py`` tells it
 which tokens were committed and ask it for the next proposal. Drafters that are step-wise models (EAGLE, the
 random test draft) implement the smaller ``DraftStepper`` and get chains and trees from ``propose_chain_with`` and
 ``grow_tree``, so the EAGLE-2 tree logic exists once.
@@ -159,7 +159,7 @@ ExpandRequest = tuple[list[int], torch.Tensor]
 Steps = Generator[ExpandRequest, tuple[torch.Tensor, list[int]], "ChainDraft | DraftTree"]
 """A proposal written as a generator: it yields each expand request and is sent the stepper's answer, so that one
 driver can serve it from a single stepper (``drive``) and another can serve many rows in one batched forward
-(``eval/batch_draft.py``)."""
+(``decode/batch_draft.py``)."""
 
 
 def drive(steps: Steps, expand: Callable[[list[int], torch.Tensor], tuple[torch.Tensor, list[int]]]):
@@ -328,3 +328,8 @@ def _keep_whole_groups(parents: torch.Tensor, budget: int) -> torch.Tensor:
     _, sizes = torch.unique_consecutive(parents, return_counts=True)
     kept_groups = int((torch.cumsum(sizes, 0) <= budget).sum())
     return torch.arange(int(sizes[:kept_groups].sum()), device=parents.device)
+
+
+def empty_tree() -> DraftTree:
+    none = torch.empty(0, dtype=torch.long)
+    return DraftTree(tokens=none, parents=none, depths=none, q=None, q_rows=[-1], draft_to_target=None)

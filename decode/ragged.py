@@ -1,5 +1,5 @@
-"""The ragged KV-cache layout both batched caches use (the verifier's in ``eval/batch.py``, the draft's in
-``eval/batch_draft.py``): row r's committed entries are the contiguous columns ``[start_r, end_r)``; every column
+"""The ragged KV-cache layout both batched caches use (the verifier's in ``decode/session.py``, the draft's in
+``decode/batch_draft.py``): row r's committed entries are the contiguous columns ``[start_r, end_r)``; every column
 after ``end_r`` is a hole the mask hides, or a block appended by the round in flight."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The acceptance rules that keep speculative sampling lossless.
+"""The acceptance rules that keep speculative sampling lossless, and the walks that apply them to a draft tree.
 
 Two rules, both exact (the emitted token is distributed as the verifier's processed distribution ``p``):
 
@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from fledge.models.sampling import sample
+from fledge.decode.proposals import DraftTree
+from fledge.models.sampling import SamplingParams, sample, target_probs
 
 
 def _normalised(weights: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
@@ -122,3 +123,59 @@ def multi_candidate_accept(
 def seeded_generator(device: torch.device, seed: int) -> torch.Generator:
     """The one seeded generator of a decoding run, on the device its draws are made on."""
     return torch.Generator(device=device).manual_seed(seed)
+
+
+def pick_token(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> int:
+    """The verifier's own next token from logits [V]: argmax, or a sample of its processed distribution."""
+    if sampling.greedy:
+        return int(torch.argmax(logits))
+    probs = target_probs(logits, sampling)
+    if generator is not None and generator.device != probs.device:
+        probs = probs.to(generator.device)  # a CPU generator (regeneration's) draws the same on any device
+    return int(sample(probs, generator))
+
+
+def children_lists(parents: list[int]) -> list[list[int]]:
+    """Per tree row (0 = root, i+1 = node i): its children's node indices, in the order they are to be tried."""
+    children: list[list[int]] = [[] for _ in range(len(parents) + 1)]
+    for node, parent in enumerate(parents):
+        children[parent + 1].append(node)
+    return children
+
+
+def walk_greedy(logits: torch.Tensor, tree: DraftTree) -> tuple[list[int], int]:
+    """Follow the children that match the verifier's argmax: (accepted node path, the next token)."""
+    predicted = torch.argmax(logits, dim=-1).tolist()
+    tokens = tree.tokens.tolist()
+    children = children_lists(tree.parents.tolist())
+    path: list[int] = []
+    row = 0
+    while True:
+        want = predicted[row]
+        child = next((c for c in children[row] if tokens[c] == want), None)
+        if child is None:
+            return path, want
+        path.append(child)
+        row = child + 1
+
+
+def walk_sampled(
+    logits: torch.Tensor, tree: DraftTree, sampling: SamplingParams, generator: torch.Generator | None
+) -> tuple[list[int], int]:
+    """Recursive rejection sampling down the tree: (accepted node path, residual or bonus token)."""
+    children = children_lists(tree.parents.tolist())
+    vocab = logits.shape[-1]
+    path: list[int] = []
+    row = 0
+    while True:
+        p = target_probs(logits[row], sampling)
+        kids = children[row]
+        if not kids:
+            return path, int(sample(p, generator))
+        candidates = tree.tokens[kids].to(logits.device)
+        q = tree.q_target(row, vocab)
+        chosen, token = multi_candidate_accept(p, candidates, None if q is None else q.to(p.device), generator)
+        if chosen < 0:
+            return path, token
+        path.append(kids[chosen])
+        row = kids[chosen] + 1
