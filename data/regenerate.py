@@ -29,15 +29,15 @@ from typing import Any
 
 import torch
 from tqdm.auto import tqdm
-from transformers import DynamicCache
 
 from fledge.core.dist import DistInfo, barrier, process_group
 from fledge.core.errors import ConfigError, FledgeError
 from fledge.core.files import atomic_write_text
 from fledge.data.sources import Conversation, DataConfig, load_conversations
 from fledge.data.template import render, stop_token_ids
-from fledge.models.sampling import SamplingParams, target_probs
-from fledge.models.verifier import Verifier, VerifierConfig, cache_kwarg, load_verifier, resolve_verifier_dir
+from fledge.decode.loop import generate
+from fledge.models.sampling import SamplingParams
+from fledge.models.verifier import Verifier, VerifierConfig, load_verifier, resolve_verifier_dir
 
 log = logging.getLogger(__name__)
 
@@ -127,8 +127,7 @@ def _history(p: Prompted, answers: list[str]) -> Conversation:
     return conv
 
 
-@torch.no_grad()
-def generate_batch(
+def answer_batch(
     verifier: Verifier,
     contexts: list[list[int]],
     limits: list[int],
@@ -136,67 +135,21 @@ def generate_batch(
     stop_ids: list[int],
     generator: torch.Generator | None = None,
 ) -> list[tuple[list[int], bool]]:
-    """Continue each context (token ids) until a stop token or its limit of new tokens, in one left-padded batch.
+    """Continue each context (token ids) until a stop token or its limit of new tokens, as one batch of fledge's
+    decoding loop (``decode/loop.py``: plain decoding, finished rows leave the batch).
 
-    Returns, per context, the new tokens (without the stop token) and whether a stop token ended it. A plain
-    KV-cached loop rather than ``generate()``, with its own seeded generator so that a resumed part samples exactly
-    what an uninterrupted run would have.
+    Returns, per context, the new tokens (without the stop token) and whether a stop token ended it. The part's own
+    seeded generator (on the CPU) draws every sampled token, so that a resumed part samples exactly what an
+    uninterrupted run would have, on any device.
     """
-    model = verifier.model
-    device = verifier.device
-    tok = verifier.tokenizer
-    sampling = opts.sampling()
-    pad = tok.pad_token_id if tok.pad_token_id is not None else stop_ids[0]
-    width = max(len(c) for c in contexts)
-    ids = torch.full((len(contexts), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(contexts), width), dtype=torch.long)
-    for r, c in enumerate(contexts):
-        ids[r, width - len(c) :] = torch.tensor(c)
-        mask[r, width - len(c) :] = 1
-    ids, mask = ids.to(device), mask.to(device)
-    position = (mask.cumsum(-1) - 1).clamp_min(0)
-    stops = torch.tensor(stop_ids, device=device)
-    limit = torch.tensor(limits, device=device)
-    tokens: list[list[int]] = [[] for _ in contexts]
-    stopped = [False] * len(contexts)
-    active = list(range(len(contexts)))  # original row of each batch row; finished rows leave the batch
-    cache = DynamicCache()
-    kv = {cache_kwarg(model): cache}
-    out = model(input_ids=ids, attention_mask=mask, position_ids=position, use_cache=True, logits_to_keep=1, **kv)
-    logits = out.logits[:, -1]
-    last_pos = position[:, -1]
-    for step in range(max(limits)):
-        if sampling.greedy:
-            nxt = logits.argmax(-1)
-        else:
-            # On the CPU, where the part's seeded generator lives (the model may sit on a GPU).
-            nxt = torch.multinomial(target_probs(logits, sampling).cpu(), 1, generator=generator).squeeze(-1)
-        nxt = nxt.to(device)  # the head may sit on another GPU than the embedding (verifier.device_map)
-        is_stop = torch.isin(nxt, stops)
-        finished = is_stop | (step + 1 >= limit)
-        keep_rows = []
-        for b, (row, t, s_, f) in enumerate(zip(active, nxt.tolist(), is_stop.tolist(), finished.tolist())):
-            if s_:
-                stopped[row] = True  # the stop token itself is the chat template's to write
-            else:
-                tokens[row].append(t)
-            if not f:
-                keep_rows.append(b)
-        if not keep_rows:
-            break
-        if len(keep_rows) < len(active):
-            # Drop the finished rows from the batch and its KV cache: the rest decode faster.
-            sel = torch.tensor(keep_rows, device=device)
-            cache.batch_select_indices(sel)
-            active = [active[b] for b in keep_rows]
-            nxt, mask, last_pos, limit = nxt[sel], mask[sel], last_pos[sel], limit[sel]
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        last_pos = last_pos + 1
-        out = model(
-            input_ids=nxt[:, None], attention_mask=mask, position_ids=last_pos[:, None], use_cache=True, **kv
-        )
-        logits = out.logits[:, -1]
-    return list(zip(tokens, stopped))
+    results, _ = generate(verifier.model, [torch.tensor(c, dtype=torch.long) for c in contexts], None,
+                          method="plain", max_new_tokens=limits, sampling=opts.sampling(),
+                          stop_ids=frozenset(stop_ids), generator=generator)
+    answered = []
+    for r in results:
+        stopped = bool(r.tokens) and r.tokens[-1] in stop_ids  # the stop token itself is the chat template's to write
+        answered.append((r.tokens[:-1] if stopped else r.tokens, stopped))
+    return answered
 
 
 def regenerate_part(
@@ -231,7 +184,7 @@ def regenerate_part(
             limits.append(min(opts.max_new_tokens, cfg.data.max_length - len(ids)))
         if not rows:
             break
-        answered = generate_batch(verifier, contexts, limits, opts, stop_ids, generator)
+        answered = answer_batch(verifier, contexts, limits, opts, stop_ids, generator)
         for r, (toks, stopped) in zip(rows, answered):
             answers[r].append(tok.decode(toks, skip_special_tokens=True).strip())
             finish[r].append("stop" if stopped else "length")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fledge.data.regenerate import RegenerateError, RegenerateOptions, generate_batch
+from fledge.data.regenerate import RegenerateError, RegenerateOptions, answer_batch
 from fledge.data.sources import DataConfig, load_conversations
 from fledge.launch.cli import run_stage
 from fledge.models.verifier import VerifierConfig, load_verifier
@@ -41,7 +41,7 @@ def test_batched_left_padded_generation_equals_greedy_one_at_a_time(verifier):
     g = torch.Generator().manual_seed(0)
     contexts = [torch.randint(10, 4000, (n,), generator=g).tolist() for n in (5, 17, 9)]
     limits = [12, 12, 7]
-    out = generate_batch(verifier, contexts, limits, RegenerateOptions(), stop_ids=[0])
+    out = answer_batch(verifier, contexts, limits, RegenerateOptions(), stop_ids=[0])
     for ctx, lim, (toks, stopped) in zip(contexts, limits, out):
         assert toks == greedy_reference(verifier.model, ctx, lim)
         assert not stopped
@@ -52,7 +52,7 @@ def test_a_stop_token_ends_the_answer_without_itself(verifier):
     ref = greedy_reference(verifier.model, ctx, 10)
     stop = ref[4]
     first = ref.index(stop)
-    (toks, stopped), (other, other_stopped) = generate_batch(
+    (toks, stopped), (other, other_stopped) = answer_batch(
         verifier, [ctx, [5, 6, 7, 8, 9, 10]], [10, 10], RegenerateOptions(), stop_ids=[stop]
     )
     assert stopped and toks == ref[:first]
@@ -67,7 +67,7 @@ def test_sampling_is_seeded(verifier):
     ctxs = [[11, 250, 3000], [42, 7, 9, 1000]]
 
     def draw(seed: int):
-        return generate_batch(verifier, ctxs, [8, 8], opts, [0], torch.Generator().manual_seed(seed))
+        return answer_batch(verifier, ctxs, [8, 8], opts, [0], torch.Generator().manual_seed(seed))
 
     assert draw(1) == draw(1)
     assert draw(1) != draw(2)
@@ -76,8 +76,8 @@ def test_sampling_is_seeded(verifier):
 def test_top_p_keeps_only_the_nucleus(verifier):
     """With a tiny top_p only the most likely token survives: sampling then equals greedy."""
     ctx = [[11, 250, 3000, 42]]
-    greedy = generate_batch(verifier, ctx, [6], RegenerateOptions(), [0])
-    nucleus = generate_batch(verifier, ctx, [6], RegenerateOptions(temperature=1.0, top_p=1e-6), [0], torch.Generator())
+    greedy = answer_batch(verifier, ctx, [6], RegenerateOptions(), [0])
+    nucleus = answer_batch(verifier, ctx, [6], RegenerateOptions(temperature=1.0, top_p=1e-6), [0], torch.Generator())
     assert nucleus == greedy
 
 
