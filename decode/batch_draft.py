@@ -9,7 +9,7 @@ entries down to its end (the same indexed copy as the verifier's commit).
 
 The chain and tree logic is written once, as generators (``chain_steps``/``tree_steps`` in ``decode/proposals.py``):
 ``BatchedEagle`` drives one generator per row and answers all their expand requests with one batched forward, so
-each row's proposal is the batch-1 drafter's, computed B rows at a time.
+each row's proposal is what one row alone would get, computed B rows at a time.
 
 ``RowwiseBatch`` keeps any other drafter (one instance per row, proposing row by row); ``BatchedHybrid`` is prompt
 lookup per row beside a ``BatchedEagle``. ``batch_drafter`` picks the batched form where one exists.
@@ -65,18 +65,24 @@ class BatchDrafter(Protocol):
 
 def batch_drafter(drafters: list[Drafter]) -> BatchDrafter:
     """The batched form of one drafter per row: ``BatchedEagle`` (or ``BatchedHybrid``) when every row is an
-    ``EagleDrafter`` (a ``HybridDrafter``) over the same draft weights and settings, else ``RowwiseBatch``."""
+    ``EagleDrafter`` (a ``HybridDrafter`` over one) with the same draft weights and settings, else ``RowwiseBatch``.
+    An ``EagleDrafter`` has no stepping of its own, so it cannot share a batch with other drafters."""
     first = drafters[0]
 
-    def same_eagle(eagles: list[EagleDrafter]) -> bool:
-        return all(e.draft is eagles[0].draft and e.min_prob == eagles[0].min_prob
-                   and e.rank_top_k == eagles[0].rank_top_k for e in eagles)
+    def eagle_of(d: Drafter) -> EagleDrafter | None:
+        inner = d.eagle if type(d) is HybridDrafter else d
+        return inner if type(inner) is EagleDrafter else None
 
-    if all(type(d) is EagleDrafter for d in drafters) and same_eagle(drafters):
-        return BatchedEagle(first)
-    if all(type(d) is HybridDrafter for d in drafters) and same_eagle([d.eagle for d in drafters]):
-        return BatchedHybrid(drafters)
-    return RowwiseBatch(drafters)
+    eagles = [eagle_of(d) for d in drafters]
+    if all(e is None for e in eagles):
+        return RowwiseBatch(drafters)
+    kinds = {type(d) for d in drafters}
+    same = all(e is not None and e.draft is eagles[0].draft and e.min_prob == eagles[0].min_prob
+               and e.rank_top_k == eagles[0].rank_top_k for e in eagles)
+    if len(kinds) > 1 or not same:
+        raise ValueError("a batch of EAGLE-3 drafters needs one kind of drafter over one draft with one set of "
+                         f"settings in every row, got {sorted(k.__name__ for k in kinds)}")
+    return BatchedEagle(first) if type(first) is EagleDrafter else BatchedHybrid(drafters)
 
 
 class RowwiseBatch:
@@ -129,8 +135,9 @@ class _Slots:
 
 
 class BatchedEagle:
-    """The EAGLE-3 draft over every row of a batch (see the module docstring); proposals equal ``EagleDrafter``'s
-    row by row (up to floating-point summation order)."""
+    """The EAGLE-3 draft over every row of a batch, one row included (see the module docstring); each row's
+    proposal equals the one-row reference's (``ReferenceEagle`` in ``tests/reference_decode.py``), up to
+    floating-point summation order."""
 
     needs_aux = True
 
@@ -236,7 +243,7 @@ class BatchedEagle:
     def _root_logits(self) -> torch.Tensor:
         logits = self.draft.logits(self.last_hidden[:, None])[:, 0].float()
         for i, known in enumerate(self.has_context):
-            if not known:  # no verifier features yet: no opinion, as EagleDrafter
+            if not known:  # no verifier features yet: no opinion
                 logits[i] = 0
         return logits
 

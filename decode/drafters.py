@@ -7,8 +7,8 @@ import torch
 
 from fledge.core.errors import ConfigError
 from fledge.decode.datastore import NgramDatastore
-from fledge.decode.proposals import ChainDraft, DraftTree, TreeShape, grow_tree, propose_chain_with
-from fledge.models.draft import DraftKVCache, Eagle3Draft
+from fledge.decode.proposals import ChainDraft, Drafter, DraftTree, TreeShape, grow_tree, propose_chain_with
+from fledge.models.draft import Eagle3Draft
 from fledge.models.sampling import SamplingParams
 
 
@@ -175,13 +175,12 @@ class RandomDrafter:
 
 
 class EagleDrafter:
-    """The EAGLE-3 draft head as a drafter.
+    """The EAGLE-3 draft head as a drafter: its weights and settings. The stepping is written once, for any number
+    of rows, in ``BatchedEagle`` (``decode/batch_draft.py``), which ``batch_drafter`` builds from these; a batch of
+    one row is its smallest case.
 
     Position t of the draft reads fc(aux_t) (the verifier's features at t) with the token x_{t+1} and predicts
-    x_{t+2}. The draft's KV cache holds one entry per position whose verifier features are known (``committed``);
-    each round extends it with the features of the tokens the verifier just accepted, after dropping the
-    speculative entries of the last proposal. Deeper draft steps feed back the draft's own hidden output: a node at
-    depth d sits at position committed - 1 + d and attends to the committed entries and its own ancestors.
+    x_{t+2}; deeper draft steps feed back the draft's own hidden output.
     """
 
     needs_aux = True
@@ -203,90 +202,12 @@ class EagleDrafter:
         self.draft_to_target: torch.Tensor | None = (
             None if identity else torch.arange(draft_vocab, device=self.device) + draft.d2t.to(self.device)
         )
-        self.cache = DraftKVCache()
-        self.committed = 0
-        self.last_hidden: torch.Tensor | None = None
-        self._reset_slots()
 
     def fresh(self) -> EagleDrafter:
-        """A drafter over the same draft weights with its own cache and state, for another row of a batch."""
-        other = EagleDrafter(self.draft, self.min_prob)
+        """The same draft and settings, for another row of a batch."""
+        other = type(self)(self.draft, self.min_prob)
         other.rank_top_k = self.rank_top_k
         return other
-
-    def _reset_slots(self) -> None:
-        self.slot_hidden: list[torch.Tensor] = []
-        self.slot_depth: list[int] = []
-        self.slot_entries: list[list[int]] = []  # cache indices of the slot's ancestors and itself
-
-    @torch.inference_mode()
-    def start(self, context: torch.Tensor, aux: torch.Tensor | None) -> None:
-        self.cache = DraftKVCache()
-        self.committed = 0
-        self.last_hidden = None
-        self._reset_slots()
-        if aux is not None and aux.shape[0]:
-            self._extend(context[1:].to(self.device), aux)
-
-    @torch.inference_mode()
-    def advance(self, new_tokens: torch.Tensor, aux: torch.Tensor | None) -> None:
-        if aux is None:
-            raise ValueError("EagleDrafter needs the verifier's aux states of the committed tokens")
-        self._extend(new_tokens.to(self.device), aux)
-
-    def _extend(self, tokens: torch.Tensor, aux: torch.Tensor) -> None:
-        """Cache positions committed..committed+n-1: features aux[i] with the token after them, tokens[i]."""
-        self.cache.crop(self.committed)
-        n = tokens.numel()
-        positions = torch.arange(self.committed, self.committed + n, device=self.device).view(1, n)
-        fused = self.draft.fuse(aux.to(self.device).unsqueeze(0))
-        hidden = self.draft(fused, tokens.view(1, n), positions, kv_cache=self.cache)
-        self.committed += n
-        self.last_hidden = hidden[0, -1]
-        self._reset_slots()
-
-    @torch.inference_mode()
-    def root_logits(self) -> torch.Tensor:
-        if self.last_hidden is None:
-            # A one-token prompt: no verifier features yet, so no opinion; the loop stays lossless regardless.
-            return torch.zeros(self.draft.config.draft_vocab_size, device=self.device)
-        return self.draft.logits(self.last_hidden.view(1, 1, -1))[0, 0].float()
-
-    @torch.inference_mode()
-    def expand(self, parent_slots: list[int], tokens: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-        if self.last_hidden is None:
-            zeros = torch.zeros(len(parent_slots), self.draft.config.draft_vocab_size, device=self.device)
-            return zeros, [-1] * len(parent_slots)
-        k = len(parent_slots)
-        base = len(self.cache)
-        hidden = torch.stack([self.last_hidden if s < 0 else self.slot_hidden[s] for s in parent_slots]).unsqueeze(0)
-        depths = [1 if s < 0 else self.slot_depth[s] + 1 for s in parent_slots]
-        ancestors = [[] if s < 0 else self.slot_entries[s] for s in parent_slots]
-        positions = (self.committed - 1 + torch.tensor(depths, device=self.device)).view(1, k)
-        mask = None
-        if not (k == 1 and ancestors[0] == list(range(self.committed, base))):
-            # Several nodes, or a node whose cached ancestors are not all speculative entries: a tree mask.
-            mask = torch.zeros(k, base + k, dtype=torch.bool, device=self.device)
-            mask[:, : self.committed] = True
-            for row, entries in enumerate(ancestors):
-                mask[row, entries + [base + row]] = True
-            mask = mask.view(1, 1, k, base + k)
-        out = self.draft(hidden, tokens.to(self.device).view(1, k), positions, kv_cache=self.cache, attn_mask=mask)
-        logits = self.draft.logits(out)[0].float()
-        slots = list(range(len(self.slot_hidden), len(self.slot_hidden) + k))
-        for row in range(k):
-            self.slot_hidden.append(out[0, row])
-            self.slot_depth.append(depths[row])
-            self.slot_entries.append(ancestors[row] + [base + row])
-        return logits, slots
-
-    def propose_chain(self, n: int, sampling: SamplingParams, generator: torch.Generator | None) -> ChainDraft:
-        with torch.inference_mode():
-            return propose_chain_with(self, n, sampling, generator, self.min_prob, self.rank_top_k)
-
-    def propose_tree(self, shape: TreeShape, sampling: SamplingParams, generator: torch.Generator | None) -> DraftTree:
-        with torch.inference_mode():
-            return grow_tree(self, shape, sampling, generator)
 
 
 class HybridDrafter:
@@ -302,12 +223,15 @@ class HybridDrafter:
     depends only on the committed tokens, lookup tokens are deterministic candidates (point-mass q), and the added
     branch is verified like any deterministic sibling; a tree of *sampled* children gets no branch, since its rule
     needs every sibling drawn from q.
+
+    Over an ``EagleDrafter`` the hybrid runs as ``BatchedHybrid`` (``decode/batch_draft.py``: lookup per row, the
+    draft batched); its own ``start``/``advance``/``propose_*`` serve any other draft that proposes row by row.
     """
 
     needs_aux = True
     supports_tree = True
 
-    def __init__(self, eagle: EagleDrafter, lookup: PromptLookupDrafter, draft_tokens: int = 0, extend: int = 0,
+    def __init__(self, eagle: Drafter, lookup: PromptLookupDrafter, draft_tokens: int = 0, extend: int = 0,
                  lookup_nodes: int = 0):
         if lookup_nodes < 0:
             raise ConfigError(f"hybrid lookup_nodes must be >= 0 (0: off), got {lookup_nodes}")

@@ -1,8 +1,9 @@
 """The batch-1 decoding loops fledge started with, kept as the reference the one loop (``decode/loop.py``) is checked
 against, as the dense attention is the TTT kernel's: a verifier KV cache of one row with crop and compaction
-(``VerifierState``), plain decoding, the chain loop and the EAGLE-2 tree loop with its own 4D mask, each written
-in the simplest form. Tests decode with both and compare their tokens and acceptance; the χ² checks of
-``eval/exactness.py`` run on the one loop itself, at batch 1 and batch B.
+(``VerifierState``), plain decoding, the chain loop and the EAGLE-2 tree loop with its own 4D mask, and the
+EAGLE-3 draft stepping one row with its own cache (``ReferenceEagle``), each written in the simplest form. Tests
+decode with both and compare their tokens and acceptance; the χ² checks of ``eval/exactness.py`` run on the one
+loop itself, at batch 1 and batch B.
 
 Invariant of every loop: the cache holds keys/values of every committed token except the newest one; the newest
 token is the first input of the next verifier forward (the "root" of the next chain or tree).
@@ -18,11 +19,15 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from fledge.decode.accept import greedy_accept, leviathan_accept, pick_token, walk_greedy, walk_sampled
+from fledge.decode.drafters import EagleDrafter
 from fledge.decode.loop import topk_ranks
-from fledge.decode.proposals import Drafter, TreeShape, empty_tree
+from fledge.decode.proposals import (
+    ChainDraft, Drafter, DraftTree, TreeShape, empty_tree, grow_tree, propose_chain_with,
+)
 from fledge.decode.result import DecodeResult, RoundTimer, clock, stop_index
 from fledge.decode.session import sliding_window_of
 from fledge.models.capture import Captured, capture_hidden
+from fledge.models.draft import DraftKVCache, Eagle3Draft
 from fledge.models.sampling import SamplingParams, target_probs
 from fledge.models.verifier import cache_kwarg
 
@@ -318,3 +323,92 @@ def generate_tree(
     result.tokens = tokens[: stop_index(tokens, stop_ids, max_new_tokens)]
     result.seconds = clock(device) - start
     return result
+
+
+class ReferenceEagle(EagleDrafter):
+    """The EAGLE-3 draft stepping one row on its own, the reference ``BatchedEagle`` is checked against: the
+    draft's KV cache holds one entry per position whose verifier features are known (``committed``); each round
+    extends it with the features of the tokens the verifier just accepted, after dropping the speculative entries
+    of the last proposal. A node at depth d sits at position committed - 1 + d and attends to the committed entries
+    and its own ancestors (a 4D mask unless it is the chain's next node)."""
+
+    def __init__(self, draft: Eagle3Draft, min_prob: float = 0.0):
+        super().__init__(draft, min_prob)
+        self.cache = DraftKVCache()
+        self.committed = 0
+        self.last_hidden: torch.Tensor | None = None
+        self._reset_slots()
+
+    def _reset_slots(self) -> None:
+        self.slot_hidden: list[torch.Tensor] = []
+        self.slot_depth: list[int] = []
+        self.slot_entries: list[list[int]] = []  # cache indices of the slot's ancestors and itself
+
+    @torch.inference_mode()
+    def start(self, context: torch.Tensor, aux: torch.Tensor | None) -> None:
+        self.cache = DraftKVCache()
+        self.committed = 0
+        self.last_hidden = None
+        self._reset_slots()
+        if aux is not None and aux.shape[0]:
+            self._extend(context[1:].to(self.device), aux)
+
+    @torch.inference_mode()
+    def advance(self, new_tokens: torch.Tensor, aux: torch.Tensor | None) -> None:
+        if aux is None:
+            raise ValueError("ReferenceEagle needs the verifier's aux states of the committed tokens")
+        self._extend(new_tokens.to(self.device), aux)
+
+    def _extend(self, tokens: torch.Tensor, aux: torch.Tensor) -> None:
+        """Cache positions committed..committed+n-1: features aux[i] with the token after them, tokens[i]."""
+        self.cache.crop(self.committed)
+        n = tokens.numel()
+        positions = torch.arange(self.committed, self.committed + n, device=self.device).view(1, n)
+        fused = self.draft.fuse(aux.to(self.device).unsqueeze(0))
+        hidden = self.draft(fused, tokens.view(1, n), positions, kv_cache=self.cache)
+        self.committed += n
+        self.last_hidden = hidden[0, -1]
+        self._reset_slots()
+
+    @torch.inference_mode()
+    def root_logits(self) -> torch.Tensor:
+        if self.last_hidden is None:
+            # A one-token prompt: no verifier features yet, so no opinion; the loop stays lossless regardless.
+            return torch.zeros(self.draft.config.draft_vocab_size, device=self.device)
+        return self.draft.logits(self.last_hidden.view(1, 1, -1))[0, 0].float()
+
+    @torch.inference_mode()
+    def expand(self, parent_slots: list[int], tokens: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        if self.last_hidden is None:
+            zeros = torch.zeros(len(parent_slots), self.draft.config.draft_vocab_size, device=self.device)
+            return zeros, [-1] * len(parent_slots)
+        k = len(parent_slots)
+        base = len(self.cache)
+        hidden = torch.stack([self.last_hidden if s < 0 else self.slot_hidden[s] for s in parent_slots]).unsqueeze(0)
+        depths = [1 if s < 0 else self.slot_depth[s] + 1 for s in parent_slots]
+        ancestors = [[] if s < 0 else self.slot_entries[s] for s in parent_slots]
+        positions = (self.committed - 1 + torch.tensor(depths, device=self.device)).view(1, k)
+        mask = None
+        if not (k == 1 and ancestors[0] == list(range(self.committed, base))):
+            # Several nodes, or a node whose cached ancestors are not all speculative entries: a tree mask.
+            mask = torch.zeros(k, base + k, dtype=torch.bool, device=self.device)
+            mask[:, : self.committed] = True
+            for row, entries in enumerate(ancestors):
+                mask[row, entries + [base + row]] = True
+            mask = mask.view(1, 1, k, base + k)
+        out = self.draft(hidden, tokens.to(self.device).view(1, k), positions, kv_cache=self.cache, attn_mask=mask)
+        logits = self.draft.logits(out)[0].float()
+        slots = list(range(len(self.slot_hidden), len(self.slot_hidden) + k))
+        for row in range(k):
+            self.slot_hidden.append(out[0, row])
+            self.slot_depth.append(depths[row])
+            self.slot_entries.append(ancestors[row] + [base + row])
+        return logits, slots
+
+    def propose_chain(self, n: int, sampling: SamplingParams, generator: torch.Generator | None) -> ChainDraft:
+        with torch.inference_mode():
+            return propose_chain_with(self, n, sampling, generator, self.min_prob, self.rank_top_k)
+
+    def propose_tree(self, shape: TreeShape, sampling: SamplingParams, generator: torch.Generator | None) -> DraftTree:
+        with torch.inference_mode():
+            return grow_tree(self, shape, sampling, generator)

@@ -30,7 +30,7 @@ from test_spec_loop import (
     verifier_aux,
 )
 
-from reference_decode import generate_plain
+from reference_decode import ReferenceEagle, generate_plain
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -76,14 +76,14 @@ def test_batched_greedy_rows_equal_their_batch_one_outputs(verifier, method):
 @pytest.mark.parametrize("method", ["chain", "tree"])
 def test_batched_eagle_proposes_what_each_row_would_alone(verifier, method):
     """The batched draft (one forward per draft step for every row, its own ragged KV cache) proposes, row by row,
-    exactly what an ``EagleDrafter`` of that row alone proposes: over rounds of commits of different lengths, a
-    one-token prompt, a row that leaves the batch, and chains of different lengths (0 included)."""
+    exactly what the one-row reference (``ReferenceEagle``) of that row alone proposes: over rounds of commits of
+    different lengths, a one-token prompt, a row that leaves the batch, and chains of different lengths (0 included)."""
     from fledge.decode.batch_draft import BatchedEagle, RowwiseBatch, batch_drafter
 
     draft = random_eagle(verifier).double()  # float64: summation order cannot flip an argmax
     prompts = [PROMPT, torch.tensor([9]), PROMPT[:3], torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12])]
     batched = batch_drafter([EagleDrafter(draft) for _ in prompts])
-    rowwise = RowwiseBatch([EagleDrafter(draft) for _ in prompts])
+    rowwise = RowwiseBatch([ReferenceEagle(draft) for _ in prompts])
     assert isinstance(batched, BatchedEagle)
     sequences = [p.tolist() for p in prompts]
     auxes = [verifier_aux(verifier, s)[:-1] if len(s) > 1 else None for s in sequences]

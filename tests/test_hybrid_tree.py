@@ -17,15 +17,15 @@ from test_spec_loop import (  # noqa: F401 (the fixtures are used by name)
     AUX_IDS, MAX_NEW, PROMPT, VOCAB, random_eagle, reference, verifier, verifier_aux,
 )
 
-from reference_decode import generate_plain
+from reference_decode import ReferenceEagle, generate_plain
 
 
 def check_real_hybrid(verifier, make, context: torch.Tensor, shape: TreeShape) -> HybridDrafter:
     """``make()`` (a real draft's hybrid with a tree option on) against ``make(0)`` (off): its trees are larger,
-    batch 1 and the batched hybrid build the same ones, and its greedy output is plain greedy's. Returns the hybrid
-    that decoded, for its counters."""
+    the one-row reference and the batched hybrid build the same ones, and its greedy output is plain greedy's.
+    Returns the hybrid that decoded, for its counters."""
     aux = verifier_aux(verifier, context.tolist())[:-1]
-    alone, off = make(), make(0)
+    alone, off = make(eagle=ReferenceEagle), make(0, eagle=ReferenceEagle)
     alone.start(context, aux)
     off.start(context, aux)
     expected = alone.propose_tree(shape, SamplingParams(), None)
@@ -51,10 +51,10 @@ def test_hybrid_draft_tokens_shortens_the_drafts_chains_only(verifier, reference
     fresh = torch.tensor([3, 17, 42, 99, 5, 250, 8])  # "250 8" did not: the draft's chain
     aux = {len(c): verifier_aux(verifier, c.tolist())[:-1] for c in (context, fresh)}
 
-    def hybrid():
-        return HybridDrafter(EagleDrafter(draft), PromptLookupDrafter(max_ngram=2, min_ngram=2), draft_tokens=1)
+    def hybrid(eagle=EagleDrafter):
+        return HybridDrafter(eagle(draft), PromptLookupDrafter(max_ngram=2, min_ngram=2), draft_tokens=1)
 
-    one = hybrid()
+    one = hybrid(ReferenceEagle)
     one.start(context, aux[len(context)])
     assert one.propose_chain(4, SamplingParams(), None).tokens.tolist() == [42, 99, 5, 3]
     one.start(fresh, aux[len(fresh)])
@@ -85,10 +85,10 @@ def test_a_shallow_hybrid_tree_carries_a_long_lookup_branch(verifier, reference)
     assert (shape.branch_depth, TreeShape(depth=2, top_k=2, total_tokens=2).branch_depth) == (4, 2)
     assert (shape.capped(2).depth, shape.capped(2).branch_depth, shape.capped(9).branch_depth) == (1, 2, 4)
 
-    def hybrid():
-        return HybridDrafter(EagleDrafter(draft), PromptLookupDrafter(max_ngram=2, min_ngram=2))
+    def hybrid(eagle=EagleDrafter):
+        return HybridDrafter(eagle(draft), PromptLookupDrafter(max_ngram=2, min_ngram=2))
 
-    one = hybrid()
+    one = hybrid(ReferenceEagle)
     one.start(context, aux[len(context)])
     tree = one.propose_tree(shape, SamplingParams(), None)
     assert int(tree.depths.max()) == 4
@@ -155,8 +155,8 @@ def test_hybrid_extend_hangs_lookup_continuations_under_the_drafts_first_tokens(
     draft = random_eagle(verifier)
     # Every id of the draft's vocabulary occurs in the context: whatever its first tokens, each has a continuation.
     repeating = torch.arange(10, 10 + 2 * 96, 2).repeat(2)[:150]
-    made = check_real_hybrid(verifier, lambda extend=3: HybridDrafter(
-        EagleDrafter(draft), PromptLookupDrafter(max_ngram=2, min_ngram=1), extend=extend), repeating, shape)
+    made = check_real_hybrid(verifier, lambda extend=3, eagle=EagleDrafter: HybridDrafter(
+        eagle(draft), PromptLookupDrafter(max_ngram=2, min_ngram=1), extend=extend), repeating, shape)
     assert made.extended > 0
 
 
@@ -197,7 +197,7 @@ def test_hybrid_lookup_nodes_adds_the_continuations_most_other_occurrences_share
 
     draft = random_eagle(verifier)
     repeating = torch.tensor([3, 17, 42, 3, 17, 40, 3, 17, 42, 5, 3, 17, 41, 6, 3, 17])
-    made = check_real_hybrid(verifier, lambda nodes=4: HybridDrafter(
-        EagleDrafter(draft), PromptLookupDrafter(max_ngram=2, min_ngram=1), lookup_nodes=nodes), repeating,
+    made = check_real_hybrid(verifier, lambda nodes=4, eagle=EagleDrafter: HybridDrafter(
+        eagle(draft), PromptLookupDrafter(max_ngram=2, min_ngram=1), lookup_nodes=nodes), repeating,
         TreeShape(depth=2, top_k=2, total_tokens=3, lookup_depth=3))
     assert made.alternative_nodes > 0

@@ -26,7 +26,7 @@ from fledge.models.sampling import SamplingParams
 from fledge.models.verifier import VerifierConfig, load_verifier
 
 from conftest import write_random_draft_run
-from reference_decode import generate_chain, generate_plain, generate_tree
+from reference_decode import ReferenceEagle, generate_chain, generate_plain, generate_tree
 
 VOCAB = 256
 
@@ -273,11 +273,12 @@ def test_the_loop_at_batch_1_equals_the_reference_loops(verifier, reference, met
     ref = generate_chain if method == "chain" else generate_tree
     draft = random_eagle(verifier)
     for sampling in (SamplingParams(), SamplingParams(temperature=0.8)):
-        for make in (lambda: EagleDrafter(draft), lambda: ReferenceDrafter(len(PROMPT), reference, seed=7)):
+        knows = lambda: ReferenceDrafter(len(PROMPT), reference, seed=7)  # noqa: E731
+        for make, make_reference in ((lambda: EagleDrafter(draft), lambda: ReferenceEagle(draft)), (knows, knows)):
             ours = decode_one(verifier, PROMPT, make(), method=method, sampling=sampling,
                               generator=torch.Generator().manual_seed(3), **loop_kwargs)
-            theirs = ref(verifier, PROMPT, make(), sampling=sampling, generator=torch.Generator().manual_seed(3),
-                         **loop_kwargs)
+            theirs = ref(verifier, PROMPT, make_reference(), sampling=sampling,
+                         generator=torch.Generator().manual_seed(3), **loop_kwargs)
             assert (ours.tokens, ours.accepted, ours.proposed) == (theirs.tokens, theirs.accepted, theirs.proposed)
             assert set(ours.parts) == set(ROUND_PARTS)
 
@@ -286,11 +287,11 @@ def test_eagle_rollback_equals_fresh_start(verifier, reference):
     """After proposing a tree (speculative cache entries) and advancing, the draft predicts as if started afresh."""
     full = PROMPT.tolist() + reference[:6]
     aux = verifier_aux(verifier, full)
-    rolled = EagleDrafter(random_eagle(verifier))
+    rolled = ReferenceEagle(random_eagle(verifier))
     rolled.start(PROMPT, aux[: len(PROMPT) - 1])
     grow_tree(rolled, SHAPE, SamplingParams(), None)
     rolled.advance(torch.tensor(reference[:6]), aux[len(PROMPT) - 1 : len(full) - 1])
-    fresh = EagleDrafter(random_eagle(verifier))
+    fresh = ReferenceEagle(random_eagle(verifier))
     fresh.start(torch.tensor(full), aux[: len(full) - 1])
     torch.testing.assert_close(rolled.root_logits(), fresh.root_logits(), atol=1e-4, rtol=1e-4)
     assert rolled.committed == fresh.committed == len(full) - 1
@@ -299,7 +300,7 @@ def test_eagle_rollback_equals_fresh_start(verifier, reference):
 def test_eagle_tree_expansion_equals_chain_along_each_path(verifier):
     """One batched, tree-masked draft step per depth gives every node the logits of a plain chain down its path."""
     aux = verifier_aux(verifier, PROMPT.tolist())
-    drafter = EagleDrafter(random_eagle(verifier))
+    drafter = ReferenceEagle(random_eagle(verifier))
     drafter.start(PROMPT, aux[:-1])
     slot_paths: list[list[int]] = []
     slot_logits: list[torch.Tensor] = []
@@ -317,7 +318,7 @@ def test_eagle_tree_expansion_equals_chain_along_each_path(verifier):
     grow_tree(drafter, TreeShape(depth=4, top_k=3, total_tokens=12), SamplingParams(), None)
     assert len(slot_paths) == 9 and max(len(p) for p in slot_paths) == 3  # 3 nodes expanded at depths 1..3
     for path, tree_row in zip(slot_paths, slot_logits):
-        chain = EagleDrafter(random_eagle(verifier))
+        chain = ReferenceEagle(random_eagle(verifier))
         chain.start(PROMPT, aux[:-1])
         parent = -1
         for token in path:
@@ -437,10 +438,10 @@ def test_load_eagle_drafter_from_training_and_serving_checkpoints(tiny_verifier_
     export_draft(draft, tiny_verifier_dir, tmp_path / "serving", dtype="float32")
     prompt = torch.tensor([1, 2, 3, 4, 5, 6])
     aux = torch.randn(5, 3 * verifier.hidden_size)
-    expected = EagleDrafter(draft)
+    expected = ReferenceEagle(draft)
     expected.start(prompt, aux)
     for folder in (tmp_path / "run", tmp_path / "serving"):
-        loaded = load_eagle_drafter(folder, verifier)
+        loaded = ReferenceEagle(load_eagle_drafter(folder, verifier).draft)
         loaded.start(prompt, aux)
         torch.testing.assert_close(loaded.root_logits(), expected.root_logits())
 
@@ -455,7 +456,7 @@ def test_the_draft_decides_which_verifier_states_it_reads(tiny_verifier_dir):
     draft.load_verifier_embedding(verifier.model.get_input_embeddings().weight.detach())
     seen = []
 
-    class Spy(EagleDrafter):
+    class Spy(ReferenceEagle):
         def start(self, context, aux):
             seen.append(aux)
             super().start(context, aux)
