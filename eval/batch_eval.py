@@ -28,15 +28,7 @@ from fledge.decode.loop import generate
 from fledge.decode.proposals import Drafter
 from fledge.decode.result import DecodeResult
 from fledge.eval.hf_baseline import generate_hf_batch
-from fledge.eval.metrics import (
-    AcceptanceTrace,
-    bootstrap_interval,
-    compare_with_reference,
-    median,
-    pooled_tau,
-    summarize,
-    trace_depth,
-)
+from fledge.eval.metrics import acceptance_entry, bootstrap_interval, compare_with_reference, median
 from fledge.models.verifier import Verifier
 
 
@@ -142,23 +134,23 @@ def evaluate_batched(
         units: dict[str, list[tuple[int, float]]] = {}  # (tokens, seconds) per group, to pair with prompt lookup's
         for name, _ in drafters:
             results = rows[name]
-            num_draft = trace_depth(methods[name], cfg.num_draft_tokens, cfg.tree_depth,
-                                    [p for r in results for p in r.proposed])
-            trace = AcceptanceTrace(accepted=[a for r in results for a in r.accepted], num_draft=num_draft,
-                                    proposed=[p for r in results for p in r.proposed])
+            d, _, per_prompt_tau = acceptance_entry(results, methods[name], cfg.num_draft_tokens, cfg.tree_depth)
             tokens = sum(len(r.tokens) for r in results)
             per_group = [(sum(len(r.tokens) for r in results[i * size : (i + 1) * size]), seconds[name][i], *gp)
                          for i, gp in enumerate(group_plain)]
             units[name] = [(g[0], g[1]) for g in per_group]
             speedup, interval = _group_speedup(per_group)
-            per_prompt_tau = [(sum(a + 1 for a in r.accepted), len(r.accepted)) for r in results]
-            d = {"method": methods[name], **summarize(trace),
-                 "tau_interval": list(bootstrap_interval(per_prompt_tau, pooled_tau)),
-                 "tokens": tokens, "seconds": sum(seconds[name]),
-                 "tokens_per_s": tokens / sum(seconds[name]) if sum(seconds[name]) else 0.0,
-                 "speedup": speedup, "speedup_interval": interval,
-                 "median_group_speedup": median([x for x in (_group_speedup([g])[0] for g in per_group)
-                                                 if not math.isnan(x)])}
+            group_speedups = [_group_speedup([g])[0] for g in per_group]
+            d.update(tokens=tokens, seconds=sum(seconds[name]),
+                     tokens_per_s=tokens / sum(seconds[name]) if sum(seconds[name]) else 0.0,
+                     speedup=speedup, speedup_interval=interval,
+                     median_group_speedup=median([x for x in group_speedups if not math.isnan(x)]),
+                     # Per prompt as at batch 1 (``fledge sweep compare`` pairs them): its rounds, and the speed-up
+                     # of the group it was decoded in (a row of a batch has no time of its own).
+                     per_prompt=[{"id": pid, "tokens": len(r.tokens), "rounds": rounds, "committed": committed,
+                                  "speedup": group_speedups[i // size], "group": i // size}
+                                 for i, ((pid, _), r, (committed, rounds)) in
+                                 enumerate(zip(encoded, results, per_prompt_tau))])
             greedy = outcome(results, plain)
             if greedy is not None:
                 d.update(greedy)

@@ -136,6 +136,19 @@ def summarize(trace: AcceptanceTrace) -> dict:
     }
 
 
+def acceptance_entry(results: Sequence[Any], method: str, chain_length: int, tree_depth: int
+                     ) -> tuple[dict, AcceptanceTrace, list[tuple[int, int]]]:
+    """What a drafter's rounds accepted over a prompt set's results (each with ``accepted`` and ``proposed`` per
+    round), as every evaluation reports it, at batch 1 or B: the method and ``summarize``'s figures, with τ's
+    bootstrap interval over prompts; also the pooled trace and each prompt's (committed tokens, rounds)."""
+    num_draft = trace_depth(method, chain_length, tree_depth, [p for r in results for p in r.proposed])
+    trace = AcceptanceTrace(accepted=[a for r in results for a in r.accepted], num_draft=num_draft,
+                            proposed=[p for r in results for p in r.proposed])
+    per_prompt = [(sum(a + 1 for a in r.accepted), len(r.accepted)) for r in results]
+    entry = {"method": method, **summarize(trace), "tau_interval": list(bootstrap_interval(per_prompt, pooled_tau))}
+    return entry, trace, per_prompt
+
+
 def bootstrap_interval(
     samples: Sequence[Any],
     statistic: Callable[[Sequence[Any]], float],

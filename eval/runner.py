@@ -31,15 +31,12 @@ from fledge.eval.breakdown import breakdown, first_tokens, plot_breakdown
 from fledge.eval.hf_baseline import generate_hf
 from fledge.eval.metrics import (
     REFERENCE_DRAFTER,
-    AcceptanceTrace,
+    acceptance_entry,
     bootstrap_interval,
     compare_with_reference,
     median,
-    pooled_tau,
     predicted_speedup,
-    summarize,
     topk_acceptance,
-    trace_depth,
 )
 from fledge.eval.ties import DEFAULT_TIE_TOLERANCE, TieJudge, recheck_summary
 from fledge.eval.tune import CostModel, measure_verify_cost
@@ -480,15 +477,8 @@ def _drafter_summary(
     results: list[DecodeResult], plain: list[DecodeResult], hf: list[DecodeResult], prompt_ids: list, method: str,
     cfg: EvalConfig, base: dict, floors: CostModel | None,
 ) -> dict:
-    num_draft = trace_depth(method, cfg.num_draft_tokens, cfg.tree_depth, [p for r in results for p in r.proposed])
-    trace = AcceptanceTrace(
-        accepted=[a for r in results for a in r.accepted],
-        num_draft=num_draft,
-        proposed=[p for r in results for p in r.proposed],
-    )
-    entry = {"method": method, **summarize(trace)}
-    per_prompt_tau = [(sum(a + 1 for a in r.accepted), len(r.accepted)) for r in results]
-    entry["tau_interval"] = list(bootstrap_interval(per_prompt_tau, pooled_tau))
+    entry, trace, per_prompt_tau = acceptance_entry(results, method, cfg.num_draft_tokens, cfg.tree_depth)
+    num_draft = trace.num_draft
     tokens = sum(len(r.tokens) for r in results)
     seconds = sum(r.seconds for r in results)
     rounds = max(len(trace.accepted), 1)

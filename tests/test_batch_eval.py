@@ -212,6 +212,19 @@ def test_evaluate_sweeps_batch_sizes_into_a_table_and_a_plot(tiny_verifier_dir, 
     # the set's usual entry comes from the smallest batch size
     assert report["sets"]["toy"]["drafters"]["eagle"]["tau"] == sweep["1"]["drafters"]["eagle"]["tau"]
     assert len(batch_table(report)) == 1 + 3 * 2
+    # per prompt as at batch 1 (its rounds, its group's speed-up), so fledge sweep compare pairs batched evaluations
+    from fledge.eval.compare import compare_main, compare_reports
+
+    for entry in sweep.values():
+        d = entry["drafters"]["eagle"]
+        rows = d["per_prompt"]
+        assert [p["id"] for p in rows] == [p["id"] for p in prompts]
+        assert sum(p["committed"] for p in rows) / sum(p["rounds"] for p in rows) == pytest.approx(d["tau"])
+        assert {p["group"] for p in rows} == set(range(entry["groups"]))
+    paired = compare_reports(report, {"sets": {"toy": {"drafters": sweep["3"]["drafters"]}}})
+    assert {(r["drafter"], r["prompts"]) for r in paired} == {("eagle", 5), ("prompt_lookup", 5)}
+    assert all(r["speedup_ratio_interval"][0] <= r["speedup_ratio_interval"][1] for r in paired)
+    assert compare_main([str(tmp_path / "eval"), str(tmp_path / "eval")]) == 0
     assert sum(line.startswith("batch_speedup toy/eagle B=") for line in batch_figures(report)) == 3
     # the batched plain baseline against Hugging Face generate at the same batch size: same tokens, both timed
     for entry in sweep.values():
@@ -229,6 +242,19 @@ def test_evaluate_sweeps_batch_sizes_into_a_table_and_a_plot(tiny_verifier_dir, 
     rows = [r for r in read_wandb_history(tmp_path / "eval") if "batch_size" in r]
     assert [r["batch_size"] for r in rows] == [1, 2, 3]
     assert [r["toy/eagle/batch_speedup"] for r in rows] == [sweep[s]["drafters"]["eagle"]["speedup"] for s in sweep]
+
+
+def test_a_batch_mixing_eagle_drafters_with_others_is_refused(verifier):
+    """The EAGLE-3 draft steps only batched, so a batch of its rows takes one draft and one set of settings."""
+    from fledge.decode.batch_draft import BatchedEagle, RowwiseBatch, batch_drafter
+
+    draft = random_eagle(verifier)
+    with pytest.raises(ValueError, match="one kind of drafter"):
+        batch_drafter([EagleDrafter(draft), PromptLookupDrafter()])
+    with pytest.raises(ValueError, match="one set of settings"):
+        batch_drafter([EagleDrafter(draft), EagleDrafter(draft, min_prob=0.5)])
+    assert isinstance(batch_drafter([EagleDrafter(draft), EagleDrafter(draft)]), BatchedEagle)
+    assert isinstance(batch_drafter([PromptLookupDrafter(), PromptLookupDrafter()]), RowwiseBatch)
 
 
 @pytest.mark.parametrize("bad", [0, -4, "[1,0]", "many", [2.5]])
