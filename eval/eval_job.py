@@ -19,10 +19,11 @@ import torch
 from fledge.core.errors import ConfigError
 from fledge.core.sweep import is_sweep_dir, sweep_jobs
 from fledge.data.sources import load_prompts
-from fledge.decode.drafters import EagleDrafter, HybridDrafter, PromptLookupDrafter
+from fledge.decode.drafters import PromptLookupDrafter
 from fledge.eval.batch_eval import batch_figures, batch_table
 from fledge.eval.breakdown import breakdown_figures, breakdown_lines
 from fledge.eval.datastore import load_datastore
+from fledge.eval.roster import DrafterSettings
 from fledge.eval.runner import (
     EvalConfig,
     evaluate,
@@ -37,7 +38,10 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class EvalJobConfig:
+class EvalJobConfig(DrafterSettings):
+    """``fledge eval``: the drafter keys (``prompt_lookup_max_ngram``, ``hybrid*``, ``draft_min_prob``) are
+    ``DrafterSettings``' (``eval/roster.py``), shared with ``fledge tune``."""
+
     draft: str | None = "runs/train"
     """The draft: a ``fledge train`` output dir, one of its step folders, or an exported serving checkpoint
     (a folder with config.json + model.safetensors). A training sweep's folder (``fledge train -m ...``) evaluates
@@ -51,38 +55,11 @@ class EvalJobConfig:
     .jsonl / .json file of {"prompt": ...}, {"turns": [...]}, ShareGPT or OpenAI records."""
     prompt_lookup: bool = True
     """Also run the prompt-lookup (n-gram) drafter, the baseline that needs no training."""
-    prompt_lookup_max_ngram: int = 3
-    hybrid: bool = True
-    """Also run the draft and prompt lookup combined (``decode.drafters.HybridDrafter``) as its own row,
-    ``eagle3+lookup``: the lookup continuation where the last n-gram occurred before, the draft elsewhere."""
-    hybrid_min_ngram: int = 2
-    """The shortest n-gram whose earlier occurrence makes the hybrid take the lookup continuation."""
-    hybrid_draft_tokens: int = 0
-    """The hybrid's draft chains stop at this many tokens (its lookup continuations still run to
-    ``eval.num_draft_tokens``); 0: the same length. A draft that is seldom right past depth 1 costs a draft step and
-    a verified position for each token it adds, while a lookup match is free and often long."""
-    hybrid_extend: int = 0
-    """Trees: the hybrid also hangs a lookup continuation under each of the draft's first ``hybrid_extend`` first
-    tokens, found as if that token were committed (when the draft is right, the text it starts is often one the
-    context repeats); 0: only the root's lookup branch."""
-    hybrid_lookup_nodes: int = 0
-    """Trees: the hybrid also adds up to this many tokens from the continuations of the other earlier occurrences
-    of the last n-gram, the ones most of them share first (the latest occurrence's continuation is always there);
-    0: the latest one's only. Deterministic candidates: exact, as the root branch."""
-    hybrid_datastore: str | None = None
-    """Where the context holds no earlier occurrence of its last n-gram, the hybrid's lookup takes the continuation
-    that most often followed its last 4, 3 or 2 tokens in a datastore of the verifier's own answers
-    (``eval/datastore.py``): ``shipped`` (the default verifier's answers that ship with fledge), any data source or
-    .jsonl file with assistant turns, or None (the context alone). Trees gain a branch; chains take it instead of
-    the draft's chain."""
     datastore_alone: bool = False
     """Also run prompt lookup with the hybrid's datastore and no draft (row ``lookup+datastore``): what the
     datastore buys without training."""
     draft_alone: bool = True
     """Run the draft on its own (row ``eagle3``); false keeps only the hybrid and the baselines."""
-    draft_min_prob: float = 0.0
-    """The draft's chains (alone and in the hybrid) stop before a position where its most likely token has less
-    probability than this; 0 always drafts ``eval.num_draft_tokens``. Exact for greedy and sampled decoding."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     wandb_mode: str = "offline"
     """offline (default: no network), online, or disabled; logs the report and the acceptance curves."""
@@ -119,24 +96,18 @@ def run(cfg: EvalJobConfig) -> dict[str, Any]:
         store = load_datastore(cfg.hybrid_datastore, verifier.tokenizer, fingerprint=verifier.fingerprint)
     for suffix, path in _draft_paths(cfg.draft).items():
         # A training run / step folder or an exported serving checkpoint, in the verifier's dtype and device.
-        drafter = load_eagle_drafter(path, verifier)
-        drafter.min_prob = cfg.draft_min_prob
+        drafter = cfg.eagle(load_eagle_drafter(path, verifier).draft)
         if cfg.draft_alone:
             drafters[f"eagle3{suffix}"] = drafter
         draft_meta = {"path": str(cfg.draft), "draft_vocab_size": int(drafter.draft.config.draft_vocab_size)}
         if cfg.hybrid:
-            lookup = PromptLookupDrafter.matching(cfg.hybrid_min_ngram, cfg.prompt_lookup_max_ngram, store)
-            drafters[f"eagle3+lookup{suffix}"] = HybridDrafter(EagleDrafter(drafter.draft, cfg.draft_min_prob), lookup,
-                                                               draft_tokens=cfg.hybrid_draft_tokens,
-                                                               extend=cfg.hybrid_extend,
-                                                               lookup_nodes=cfg.hybrid_lookup_nodes)
+            drafters[f"eagle3+lookup{suffix}"] = cfg.hybrid_of(drafter.draft, store)
     if is_sweep_dir(cfg.draft or ""):
         draft_meta["sweep_jobs"] = {str(r["job"]): r["overrides"] for _, r in sweep_jobs(cfg.draft, "train")}
     if cfg.prompt_lookup:
         drafters["prompt_lookup"] = PromptLookupDrafter(max_ngram=cfg.prompt_lookup_max_ngram)
     if cfg.datastore_alone:
-        drafters["lookup+datastore"] = PromptLookupDrafter.matching(cfg.hybrid_min_ngram,
-                                                                    cfg.prompt_lookup_max_ngram, store)
+        drafters["lookup+datastore"] = cfg.lookup(store)
     if not drafters:
         raise ConfigError("nothing to evaluate", fix="set draft=... or prompt_lookup=true")
     prompt_sets = {_set_name(s): load_prompts(s) for s in cfg.prompts}

@@ -18,9 +18,10 @@ import torch
 
 from fledge.core.errors import ConfigError
 from fledge.data.sources import load_prompts
-from fledge.decode.drafters import EagleDrafter, HybridDrafter, PromptLookupDrafter
+from fledge.decode.drafters import PromptLookupDrafter
 from fledge.decode.proposals import TreeShape
 from fledge.eval.datastore import load_datastore
+from fledge.eval.roster import DrafterSettings
 from fledge.eval.runner import EvalConfig, encode_prompt, evaluate, load_eagle_drafter
 from fledge.eval.tune import (
     PLAIN,
@@ -52,7 +53,13 @@ class TreeCandidateConfig:
 
 
 @dataclass
-class TuneJobConfig:
+class TuneJobConfig(DrafterSettings):
+    """``fledge tune``: the drafter keys (``prompt_lookup_max_ngram``, ``hybrid*``, ``draft_min_prob``) are
+    ``DrafterSettings``' (``eval/roster.py``), the same as ``fledge eval``'s, and the check (step 4) runs the drafter
+    eval would run with them. The measurement run drafts full chains (no ``draft_min_prob``) so that α is measured at
+    every depth, and the predictions model the hybrid's root lookup branch with full draft chains:
+    ``draft_min_prob``, ``hybrid_draft_tokens``, ``hybrid_extend`` and ``hybrid_lookup_nodes`` show in the check."""
+
     draft: str = "runs/train"
     """A ``fledge train`` output dir, one of its step folders, or an exported serving checkpoint."""
     verifier: VerifierConfig = field(default_factory=VerifierConfig)
@@ -82,13 +89,6 @@ class TuneJobConfig:
     run's cost is a mean over whatever else the machine was doing, which v(k)'s minimum filters out, so on a shared
     CPU o soaks up other processes' load (measured here once: o = 5.8 steps predicted 0.13x for a chain that then
     ran at 0.59x). On a quiet machine it adds the loop's bookkeeping beyond the bare forward."""
-    hybrid: bool = True
-    """Also predict the draft with prompt lookup (``eagle3+lookup`` in ``fledge eval``): its trees carry the lookup's
-    continuation as a branch of up to ``lookup_tokens``, its chains take the continuation where there is one."""
-    hybrid_min_ngram: int = 2
-    prompt_lookup_max_ngram: int = 3
-    hybrid_datastore: str | None = None
-    """As in ``fledge eval``: the lookup's fallback to the verifier's own answers (``shipped``), or None."""
     lookup_tokens: int = 5
     """The longest lookup branch of a hybrid tree (``eval.num_draft_tokens`` in ``fledge eval``)."""
     measure_plain: bool = True
@@ -199,7 +199,7 @@ def run(cfg: TuneJobConfig) -> dict[str, Any]:
     if cfg.hybrid and entry.get("topk_rounds"):
         store = (load_datastore(cfg.hybrid_datastore, verifier.tokenizer, fingerprint=verifier.fingerprint)
                  if cfg.hybrid_datastore is not None else None)
-        lookup = PromptLookupDrafter.matching(cfg.hybrid_min_ngram, cfg.prompt_lookup_max_ngram, store)
+        lookup = cfg.lookup(store)
         branch = max([cfg.lookup_tokens, cfg.n_max] + [s.depth for s in shapes])
         encoded = [encode_prompt(verifier.tokenizer, p, cfg.chat_template_kwargs) for p in prompts]
         positions = hybrid_positions(entry["topk_rounds"], encoded, lookup, branch)
@@ -229,7 +229,7 @@ def run(cfg: TuneJobConfig) -> dict[str, Any]:
     if check is not PLAIN:
         check_cfg = _eval_config(cfg, str(out / "check") if out else None, **_shape_kwargs(check))
         name = "eagle3+lookup" if check.hybrid else "eagle3"
-        checker = HybridDrafter(EagleDrafter(drafter.draft), lookup.fresh()) if check.hybrid else drafter
+        checker = cfg.hybrid_of(drafter.draft, lookup.datastore) if check.hybrid else cfg.eagle(drafter.draft)
         checked = evaluate(verifier, {"tune": prompts}, {name: checker}, check_cfg)["sets"]["tune"]
         d = checked["drafters"][name]
         verification = {"shape": check.name, "predicted_speedup": check.predicted_speedup,

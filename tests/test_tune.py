@@ -215,7 +215,7 @@ def test_hybrid_positions_replay_the_lookup_over_the_output():
 
 def test_tune_measures_a_hybrid_recommendation(tiny_verifier_dir, tmp_path, monkeypatch):
     """When a hybrid shape is recommended, the check runs the hybrid (``eagle3+lookup``) with that tree and its
-    lookup branch, losslessly."""
+    lookup branch, losslessly, built with fledge eval's drafter keys (the same names, the same roster)."""
     from fledge.eval import tune_job
     from fledge.launch.cli import run_stage
 
@@ -223,12 +223,19 @@ def test_tune_measures_a_hybrid_recommendation(tiny_verifier_dir, tmp_path, monk
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"id": 0, "turns": ["a b c a b c a b c a b"]}) + "\n")
     monkeypatch.setattr(tune_job, "recommend", lambda options: next(o for o in options if o.hybrid and o.tree))
+    evaluated, evaluate = [], tune_job.evaluate
+    monkeypatch.setattr(tune_job, "evaluate", lambda *a: evaluated.append(a[2]) or evaluate(*a))
     result = run_stage("tune", [
         f"draft={tmp_path / 'run'}", f"verifier.name_or_path={tiny_verifier_dir}", "verifier.dtype=float32",
         f"prompts=[{prompts}]", "max_prompts=1", "max_new_tokens=8", "n_max=2", "verify_repeats=1",
         "warmup_tokens=0", "tree_shapes=[{depth: 1, top_k: 2, total_tokens: 2}]", "lookup_tokens=4",
-        f"out_dir={tmp_path / 'tune'}",
+        f"out_dir={tmp_path / 'tune'}", "hybrid_extend=1", "hybrid_lookup_nodes=2", "hybrid_draft_tokens=1",
+        "draft_min_prob=0.05",
     ])
+    measured, checked = evaluated
+    assert measured["eagle3"].min_prob == 0.0  # the measurement drafts full chains
+    hybrid = checked["eagle3+lookup"]
+    assert (hybrid.extend, hybrid.lookup_nodes, hybrid.draft_tokens, hybrid.eagle.min_prob) == (1, 2, 1, 0.05)
     assert result["recommended"]["name"] == "hybrid tree d=1 k=2 T=2" and result["recommended"]["branch"] == 4
     check = result["verification"]
     assert check["shape"] == "hybrid tree d=1 k=2 T=2" and check["greedy_match_rate"] == 1.0

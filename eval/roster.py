@@ -1,0 +1,54 @@
+"""The drafters a job builds from one draft, by one set of settings: ``fledge eval`` and ``fledge tune`` both take
+``DrafterSettings`` (their configs inherit its keys, so a key means the same in both) and build the draft, prompt
+lookup and the hybrid through it, so that tune predicts and checks the drafter eval runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fledge.decode.datastore import NgramDatastore
+from fledge.decode.drafters import EagleDrafter, HybridDrafter, PromptLookupDrafter
+from fledge.models.draft import Eagle3Draft
+
+
+@dataclass
+class DrafterSettings:
+    prompt_lookup_max_ngram: int = 3
+    hybrid: bool = True
+    """The draft and prompt lookup combined (``decode.drafters.HybridDrafter``), row ``eagle3+lookup``: the lookup
+    continuation where the last n-gram occurred before, the draft elsewhere. ``fledge eval`` runs it as its own row;
+    ``fledge tune`` predicts its chains and trees beside the draft's and checks it when it wins."""
+    hybrid_min_ngram: int = 2
+    """The shortest n-gram whose earlier occurrence makes the hybrid take the lookup continuation."""
+    hybrid_draft_tokens: int = 0
+    """The hybrid's draft chains stop at this many tokens (its lookup continuations still run to
+    ``eval.num_draft_tokens``); 0: the same length. A draft that is seldom right past depth 1 costs a draft step and
+    a verified position for each token it adds, while a lookup match is free and often long."""
+    hybrid_extend: int = 0
+    """Trees: the hybrid also hangs a lookup continuation under each of the draft's first ``hybrid_extend`` first
+    tokens, found as if that token were committed (when the draft is right, the text it starts is often one the
+    context repeats); 0: only the root's lookup branch."""
+    hybrid_lookup_nodes: int = 0
+    """Trees: the hybrid also adds up to this many tokens from the continuations of the other earlier occurrences
+    of the last n-gram, the ones most of them share first (the latest occurrence's continuation is always there);
+    0: the latest one's only. Deterministic candidates: exact, as the root branch."""
+    hybrid_datastore: str | None = None
+    """Where the context holds no earlier occurrence of its last n-gram, the hybrid's lookup takes the continuation
+    that most often followed its last 4, 3 or 2 tokens in a datastore of the verifier's own answers
+    (``eval/datastore.py``): ``shipped`` (the default verifier's answers that ship with fledge), any data source or
+    .jsonl file with assistant turns, or None (the context alone). Trees gain a branch; chains take it instead of
+    the draft's chain."""
+    draft_min_prob: float = 0.0
+    """The draft's chains (alone and in the hybrid) stop before a position where its most likely token has less
+    probability than this; 0 always drafts ``eval.num_draft_tokens``. Exact for greedy and sampled decoding."""
+
+    def eagle(self, draft: Eagle3Draft) -> EagleDrafter:
+        return EagleDrafter(draft, self.draft_min_prob)
+
+    def lookup(self, store: NgramDatastore | None) -> PromptLookupDrafter:
+        """The hybrid's prompt lookup (and ``lookup+datastore``'s): from ``hybrid_min_ngram`` matching tokens."""
+        return PromptLookupDrafter.matching(self.hybrid_min_ngram, self.prompt_lookup_max_ngram, store)
+
+    def hybrid_of(self, draft: Eagle3Draft, store: NgramDatastore | None) -> HybridDrafter:
+        return HybridDrafter(self.eagle(draft), self.lookup(store), draft_tokens=self.hybrid_draft_tokens,
+                             extend=self.hybrid_extend, lookup_nodes=self.hybrid_lookup_nodes)
