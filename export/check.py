@@ -133,7 +133,7 @@ def check_checkpoint(path: Path, verifier_dir: Path | None = None) -> list[Findi
             "no-config",
             f"{path} has no config.json: not a serving checkpoint",
             "point at an exported folder; a fledge training run or step folder becomes one with `fledge export "
-            "checkpoint=<run or step dir> out_dir=<dir>`",
+            "draft=<run or step dir> out_dir=<dir>`",
         )
         return findings
     try:

@@ -1,7 +1,7 @@
 """``fledge export`` (a training run -> a serving checkpoint) and ``fledge export check PATH`` (validate any EAGLE-3
 checkpoint against what vLLM, SGLang and the official EAGLE code read).
 
-    fledge export checkpoint=runs/train out_dir=runs/train/serving report=runs/eval/report.json speculators=true
+    fledge export draft=runs/train out_dir=runs/train/serving report=runs/eval/report.json speculators=true
     fledge export check runs/train/serving --verifier smollm2-135m-instruct
 """
 
@@ -25,9 +25,11 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ExportJobConfig:
-    checkpoint: str = "runs/train"
-    """A training run dir (its final ``draft/``, else its latest checkpoint), its ``checkpoints/`` dir, a
-    ``step-NNNNNN`` folder or a ``draft/`` folder."""
+    draft: str = "runs/train"
+    """The draft, ``draft=`` as in ``fledge eval`` and ``fledge tune``: a training run dir (its final ``draft/``,
+    else its latest checkpoint), its ``checkpoints/`` dir, a ``step-NNNNNN`` folder or a ``draft/`` folder."""
+    checkpoint: str | None = None
+    """The key's old name; set, it is refused with the new one."""
     out_dir: str | None = None
     """Where the serving checkpoint goes. None: ``<run>/serving`` for a run's ``draft/``, ``<run>/serving-step-NNNNNN``
     for a step folder."""
@@ -52,6 +54,9 @@ class ExportJobConfig:
     is vocabulary x hidden: 1 GB at 8B in bf16). On: the same result, for readers that want the file whole."""
 
     def __post_init__(self) -> None:
+        if self.checkpoint is not None:
+            raise ConfigError("export's checkpoint= is now draft=, as in fledge eval and fledge tune",
+                              fix=f"pass draft={self.checkpoint}")
         if self.tau is not None and self.report is not None:
             raise ConfigError("export.tau and export.report both set the card's τ; give one of them")
         if self.num_speculative_tokens < 1:
@@ -120,7 +125,7 @@ def build_card(cfg: ExportJobConfig, meta: dict) -> dict[str, Any]:
 
 
 def run(cfg: ExportJobConfig) -> Path:
-    folder = draft_folder(cfg.checkpoint)
+    folder = draft_folder(cfg.draft)
     meta = read_meta(folder)
     verifier_dir = _verifier_dir(cfg, meta)
     draft = load_draft(folder, verifier_dir=verifier_dir)

@@ -368,7 +368,7 @@ EOF
 }
 
 export_draft() {
-  cmd "${FLEDGE[@]}" export checkpoint="$RUN/train" out_dir="$RUN/export" verifier="$VERIFIER" \
+  cmd "${FLEDGE[@]}" export draft="$RUN/train" out_dir="$RUN/export" verifier="$VERIFIER" \
     report="$RUN/eval-chain-0/report.json" || return 1
   cmd "${FLEDGE[@]}" export check "$RUN/export"
 }

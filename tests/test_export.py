@@ -123,7 +123,7 @@ def rounded(draft: Eagle3Draft, dtype: torch.dtype) -> Eagle3Draft:
 
 def test_training_checkpoint_export_import_float32_is_exact(run_dir, verifier_dir, tmp_path):
     trained = load_draft(run_dir)
-    out = run(ExportJobConfig(checkpoint=str(run_dir), out_dir=str(tmp_path / "serving"), dtype="float32", tau=2.5))
+    out = run(ExportJobConfig(draft=str(run_dir), out_dir=str(tmp_path / "serving"), dtype="float32", tau=2.5))
     imported = load_exported(out, verifier_dir)
     for key, value in trained.state_dict().items():
         assert torch.equal(imported.state_dict()[key], value), key
@@ -137,7 +137,7 @@ def test_training_checkpoint_export_import_float32_is_exact(run_dir, verifier_di
 
 def test_training_checkpoint_export_import_bfloat16(run_dir, verifier_dir, tmp_path):
     trained = load_draft(run_dir / "checkpoints" / "step-000010")
-    out = run(ExportJobConfig(checkpoint=str(run_dir / "checkpoints" / "step-000010"), out_dir=str(tmp_path / "bf16")))
+    out = run(ExportJobConfig(draft=str(run_dir / "checkpoints" / "step-000010"), out_dir=str(tmp_path / "bf16")))
     weights = load_file(str(out / "model.safetensors"))
     assert {t.dtype for k, t in weights.items() if k not in ("d2t", "t2d")} == {torch.bfloat16}
     imported = load_exported(out, verifier_dir)
@@ -152,7 +152,7 @@ def test_training_checkpoint_export_import_bfloat16(run_dir, verifier_dir, tmp_p
 
 
 def test_serving_config_and_tensors(run_dir, verifier_dir, tmp_path):
-    out = run(ExportJobConfig(checkpoint=str(run_dir), out_dir=str(tmp_path / "s"), training_data="tiny chats"))
+    out = run(ExportJobConfig(draft=str(run_dir), out_dir=str(tmp_path / "s"), training_data="tiny chats"))
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["model_type"] == "llama"
     assert config["num_hidden_layers"] == 1 and config["tie_word_embeddings"] is False
@@ -350,7 +350,7 @@ def test_export_is_atomic_and_replaces_only_exports(verifier_dir, tmp_path):
 def test_model_card_from_a_report(run_dir, tmp_path):
     report = tmp_path / "report.json"
     report.write_text(json.dumps({"sets": {"mt_bench": {"chain": {"tau": 2.25, "alpha": [0.6]}}, "sharegpt": {"tau": 1.75}}}))
-    out = run(ExportJobConfig(checkpoint=str(run_dir), out_dir=str(tmp_path / "s"), report=str(report)))
+    out = run(ExportJobConfig(draft=str(run_dir), out_dir=str(tmp_path / "s"), report=str(report)))
     card = (out / "README.md").read_text()
     assert "sets/mt_bench/chain: 2.250" in card and "sets/sharegpt: 1.750" in card and str(report) in card
     assert tau_from_report([{"name": "mt", "tau": 3}, {"tau": float("nan")}]) == {"mt": 3.0}
@@ -369,13 +369,16 @@ def test_default_out_dir(run_dir):
 def test_cli_composes_and_dispatches(run_dir, verifier_dir, tmp_path, capsys):
     from hydra.errors import ConfigCompositionException
 
+    from fledge.core.errors import ConfigError
     from fledge.launch.cli import compose_config, main, run_stage
 
-    cfg = compose_config("export", [f"checkpoint={run_dir}", "dtype=float32", "speculators=true"])
+    with pytest.raises(ConfigError, match="checkpoint= is now draft="):
+        ExportJobConfig(checkpoint=str(run_dir))
+    cfg = compose_config("export", [f"draft={run_dir}", "dtype=float32", "speculators=true"])
     assert isinstance(cfg, ExportJobConfig) and cfg.dtype == "float32" and cfg.speculators
     with pytest.raises(ConfigCompositionException):
         compose_config("export", ["dtyp=float32"])
-    out = run_stage("export", [f"checkpoint={run_dir}", f"out_dir={tmp_path / 'cli'}", "speculators=true"])
+    out = run_stage("export", [f"draft={run_dir}", f"out_dir={tmp_path / 'cli'}", "speculators=true"])
     assert out == tmp_path / "cli" and (tmp_path / "cli-speculators" / "config.json").is_file()
     with pytest.raises(SystemExit) as exit_info:
         main(["export", "check", str(out), "--verifier", str(verifier_dir)])
@@ -396,7 +399,7 @@ def test_cache_train_export_check_import(tmp_path, smollm_tokenizer):
                         f"cache.dir={tmp_path / 'cache'}", "cache.draft_vocab_size=200", "data.max_length=256"])
     run_stage("train", [f"cache_dir={tmp_path / 'cache'}", f"output_dir={tmp_path / 'train'}", "train.max_steps=2",
                         "eval.holdout=0", "eval.every=0"])
-    out = run_stage("export", [f"checkpoint={tmp_path / 'train'}", "dtype=float32", "speculators=true"])
+    out = run_stage("export", [f"draft={tmp_path / 'train'}", "dtype=float32", "speculators=true"])
     assert out == tmp_path / "train" / "serving"
     assert check_checkpoint(out, vdir) == [] and check_checkpoint(speculators_dir(out), vdir) == []
     trained, imported = load_draft(tmp_path / "train"), load_exported(out, vdir)

@@ -121,7 +121,7 @@ def test_pipeline_on_cuda(tmp_path, tiny_verifier_dir):
                "eval.every=2", "checkpoint.every=2", "ttt.ttt_steps=2", "log.wandb_mode=disabled",
                "engine.device=cuda"],
         eval=[*eval_common, f"eval.out_dir={run}/eval"],
-        export=[f"checkpoint={run}/train", f"out_dir={run}/export", f"verifier={tiny_verifier_dir}"],
+        export=[f"draft={run}/train", f"out_dir={run}/export", f"verifier={tiny_verifier_dir}"],
     )
     run_pipeline(cfg)
     report = json.loads((run / "eval" / "report.json").read_text())

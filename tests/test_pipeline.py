@@ -133,7 +133,7 @@ def test_quickstart_pipeline_on_a_tiny_verifier(tmp_path, tiny_verifier_dir):
                "eval.every=2", "checkpoint.every=2", "ttt.ttt_steps=2", "log.wandb_mode=offline"],
         eval=[f"draft={run}/train", verifier, "verifier.dtype=float32", f"prompts=[{prompts}]",
               "eval.max_new_tokens=6", f"eval.out_dir={run}/eval", "eval.warmup_tokens=0"],
-        export=[f"checkpoint={run}/train", f"out_dir={run}/export", f"report={run}/eval/report.json",
+        export=[f"draft={run}/train", f"out_dir={run}/export", f"report={run}/eval/report.json",
                 f"verifier={tiny_verifier_dir}"],
     )
     first = run_pipeline(cfg)
