@@ -24,14 +24,8 @@ from fledge.eval.batch_eval import batch_figures, batch_table
 from fledge.eval.breakdown import breakdown_figures, breakdown_lines
 from fledge.eval.datastore import load_datastore
 from fledge.eval.roster import DrafterSettings
-from fledge.eval.runner import (
-    EvalConfig,
-    evaluate,
-    load_eagle_drafter,
-    mismatch_lines,
-    report_table,
-    stable_figures,
-)
+from fledge.eval.runner import EvalConfig, evaluate, load_eagle_drafter
+from fledge.eval.summary import mismatch_lines, report_table, stable_figures
 from fledge.models.verifier import VerifierConfig, load_verifier
 
 log = logging.getLogger(__name__)

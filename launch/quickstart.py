@@ -18,7 +18,7 @@ from typing import Any
 
 from fledge.core.errors import ConfigError
 from fledge.eval.breakdown import breakdown_lines
-from fledge.eval.runner import report_table
+from fledge.eval.summary import report_table
 from fledge.launch.budget import (
     FIXED_SIZES,
     SIZE_KEYS,

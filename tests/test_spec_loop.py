@@ -18,7 +18,8 @@ from fledge.decode.proposals import DraftTree, TreeShape, grow_tree, propose_cha
 from fledge.decode.result import ROUND_PARTS, DecodeResult
 from fledge.decode.session import VerifierSession
 from fledge.eval.exactness import tiny_verifier
-from fledge.eval.runner import EvalConfig, draft_vocab_coverage, evaluate, stable_figures
+from fledge.eval.runner import EvalConfig, draft_vocab_coverage, evaluate
+from fledge.eval.summary import stable_figures
 from fledge.export.write import tau_from_report
 from fledge.models.capture import capture_hidden
 from fledge.models.draft import Eagle3Config, Eagle3Draft

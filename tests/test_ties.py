@@ -8,7 +8,8 @@ import torch
 from fledge.decode.drafters import PromptLookupDrafter
 from fledge.eval import runner
 from fledge.eval.exactness import tiny_verifier
-from fledge.eval.runner import EvalConfig, evaluate, mismatch_lines, report_table
+from fledge.eval.runner import EvalConfig, evaluate
+from fledge.eval.summary import mismatch_lines, report_table
 from fledge.eval.ties import TieJudge
 from fledge.models.verifier import VerifierConfig, load_verifier
 
