@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.fledge-installed
 
-.PHONY: setup quickstart test test-fast test-smoke test-repeat bench shipped-data clean
+.PHONY: setup quickstart test test-slow test-all test-smoke test-repeat bench shipped-data clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,13 +21,19 @@ setup: $(STAMP)
 quickstart: $(STAMP)
 	$(BIN)/fledge quickstart
 
-# Everything but the GPU script's CPU run, the multi-process and kill/resume tests included (~13 min on 2 cores).
+# The suite CI runs (.ci/run): everything but the tests marked slow or smoke (~7 min on a 2-core AVX512 box, ~15 on a
+# 2-core AVX2 one).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not smoke"
-
-# Without the tests marked slow (~2.5 min).
-test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow and not smoke"
+
+# The tests marked slow, apart: multi-process (torchrun, DeepSpeed, gloo), kill/resume, and vLLM's (which skip without
+# .venv-vllm) (~8 min on a 2-core AVX512 box).
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m "slow and not smoke"
+
+# Both of the above in one run.
+test-all: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not smoke"
 
 # launch/gpu_smoke.sh on the CPU, in pieces (~3.5 min on 2 cores): the CUDA parts skip with a line each.
 test-smoke: $(STAMP)
