@@ -10,8 +10,13 @@ Conversations are length-sorted and split into parts of ``batch_size``; each par
 batch per turn and written atomically to ``parts/part-XXXXX.jsonl``. A rerun skips complete parts, so a killed run
 resumes, and under ``torchrun`` rank r generates the parts ``p % world_size == r``. Rank 0 then merges the parts, in
 the source's order, into ``conversations.jsonl`` and writes ``manifest.json``. ``plan.json`` binds the folder to its
-inputs (verifier weights, prompts, sampling settings): a different input is refused, or replaced with
+inputs (verifier weights, prompts, sampling settings, engine): a different input is refused, or replaced with
 ``overwrite=true``.
+
+Two engines decode: ``engine=hf`` (default), fledge's own batched loop over the Hugging Face model in this process, and
+``engine=vllm``, vLLM's offline batch API in vLLM's own environment (``data/vllm_engine.py``; ``make vllm-env``). Both
+get the same token ids: fledge applies the chat template, tokenizes, and sets the stop tokens, the limits and the
+seeds either way, so the two differ only in the verifier's arithmetic (identical greedy answers in float32).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -37,7 +42,15 @@ from fledge.data.sources import Conversation, DataConfig, load_conversations
 from fledge.data.template import render, stop_token_ids
 from fledge.decode.loop import generate
 from fledge.models.sampling import SamplingParams
-from fledge.models.verifier import Verifier, VerifierConfig, load_verifier, resolve_verifier_dir
+from fledge.models.verifier import (
+    Verifier,
+    VerifierConfig,
+    load_tokenizer,
+    load_verifier,
+    parse_dtype,
+    resolve_verifier_dir,
+    weight_fingerprint,
+)
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +81,19 @@ class RegenerateOptions:
     device: str = "auto"
     overwrite: bool = False
     """Replace an output folder that was made for other inputs (otherwise that is refused)."""
+    engine: str = "hf"
+    """What decodes: ``hf`` (fledge's batched loop over the Hugging Face model, in this process; torchrun spreads the
+    parts over ranks) or ``vllm`` (vLLM's offline batch API in its own environment, one process; under several GPUs,
+    vLLM's tensor parallelism). The same prompts, stop tokens, limits and seeds either way."""
+    vllm_python: str | None = None
+    """engine=vllm: the Python of vLLM's environment; None: ``$FLEDGE_VLLM_PYTHON``, else ``.venv-vllm/bin/python``
+    in the checkout (``make vllm-env`` builds it)."""
+    vllm_tensor_parallel_size: int = 1
+    """engine=vllm: GPUs one verifier is split over (vLLM's ``tensor_parallel_size``)."""
+    vllm_max_num_seqs: int = 256
+    """engine=vllm: sequences vLLM decodes at once (its ``max_num_seqs``); a part holds ``batch_size``."""
+    vllm_enforce_eager: bool = False
+    """engine=vllm: no compiled graphs (vLLM's ``enforce_eager``): a faster start, a slower decode."""
     parts: list[int] | None = None
     """Only these parts of the plan (the length-sorted groups of ``batch_size``; part 0 holds the shortest prompts):
     a slice to check a regenerated file against, as ``python -m fledge.data.shipped check`` does. None: all."""
@@ -83,6 +109,11 @@ class RegenerateOptions:
             raise ConfigError(f"regenerate.temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"regenerate.top_p must be in (0, 1], got {self.top_p}")
+        if self.engine not in ("hf", "vllm"):
+            raise ConfigError(f"regenerate.engine must be 'hf' or 'vllm', got {self.engine!r}")
+        for name in ("vllm_tensor_parallel_size", "vllm_max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"regenerate.{name} must be >= 1, got {getattr(self, name)}")
         if self.parts is not None and (not self.parts or min(self.parts) < 0):
             raise ConfigError(f"regenerate.parts must be null or a non-empty list of indices >= 0, got {self.parts}")
 
@@ -152,21 +183,62 @@ def answer_batch(
     return answered
 
 
+Answer = Callable[[list[list[int]], list[int]], list[tuple[list[int], bool]]]
+"""One turn of a part: (contexts, limits) -> per context (new tokens without the stop token, stopped)."""
+
+
+class HFAnswers:
+    """engine=hf: fledge's decoding loop over the verifier in this process (:func:`answer_batch`)."""
+
+    def __init__(self, verifier: Verifier, opts: RegenerateOptions, stop_ids: list[int]):
+        self.verifier, self.opts, self.stop_ids = verifier, opts, stop_ids
+
+    def part(self, seed: int) -> Answer:
+        generator = torch.Generator().manual_seed(seed)  # one stream per part, drawn turn after turn
+        return lambda contexts, limits: answer_batch(self.verifier, contexts, limits, self.opts, self.stop_ids,
+                                                     generator)
+
+
+class VllmAnswers:
+    """engine=vllm: vLLM's batch API (``data/vllm_engine.py``). Each request of a sampled run has its own seed, drawn
+    from the part's seed, the turn and the row, so a resumed part samples what an uninterrupted run would."""
+
+    def __init__(self, engine, opts: RegenerateOptions, stop_ids: list[int]):
+        self.engine, self.opts, self.stop_ids = engine, opts, stop_ids
+
+    def part(self, seed: int) -> Answer:
+        turn = iter(range(1 << 30))
+
+        def answer(contexts: list[list[int]], limits: list[int]) -> list[tuple[list[int], bool]]:
+            t = next(turn)
+            seeds = [None if self.opts.temperature == 0 else
+                     int(hashlib.sha256(f"{seed}/{t}/{i}".encode()).hexdigest()[:8], 16) for i in range(len(contexts))]
+            outs = self.engine.generate(contexts, limits, self.stop_ids, self.opts.temperature, self.opts.top_p, seeds)
+            answered = []
+            for o in outs:
+                toks = o["token_ids"]
+                stopped = o["finish_reason"] == "stop"
+                if stopped and toks and toks[-1] in self.stop_ids:
+                    toks = toks[:-1]  # as answer_batch: the stop token itself is the chat template's to write
+                answered.append((toks, stopped))
+            return answered
+
+        return answer
+
+
 def regenerate_part(
-    verifier: Verifier,
+    answer: Answer,
+    tok,
     prompts: list[Prompted],
     cfg: RegenerateJobConfig,
-    stop_ids: list[int],
-    seed: int,
     on_tokens=None,
 ) -> list[dict[str, Any]]:
-    """Answer every user turn of these conversations, turn by turn; one record per conversation."""
+    """Answer every user turn of these conversations, turn by turn, through ``answer`` (an engine's
+    ``part(seed)``); one record per conversation."""
     opts, kwargs = cfg.regenerate, cfg.data.chat_template_kwargs
-    tok = verifier.tokenizer
     answers: list[list[str]] = [[] for _ in prompts]
     finish: list[list[str]] = [[] for _ in prompts]
     open_ = [True] * len(prompts)
-    generator = torch.Generator().manual_seed(seed)
     for t in range(max(len(p.questions) for p in prompts)):
         rows, contexts, limits = [], [], []
         for r, p in enumerate(prompts):
@@ -184,7 +256,7 @@ def regenerate_part(
             limits.append(min(opts.max_new_tokens, cfg.data.max_length - len(ids)))
         if not rows:
             break
-        answered = answer_batch(verifier, contexts, limits, opts, stop_ids, generator)
+        answered = answer(contexts, limits)
         for r, (toks, stopped) in zip(rows, answered):
             answers[r].append(tok.decode(toks, skip_special_tokens=True).strip())
             finish[r].append("stop" if stopped else "length")
@@ -202,9 +274,8 @@ def part_name(p: int) -> str:
     return f"part-{p:05d}.jsonl"
 
 
-def plan_parts(verifier: Verifier, prompts: list[Prompted], batch_size: int, kwargs: dict[str, Any]) -> list[list[int]]:
+def plan_parts(tok, prompts: list[Prompted], batch_size: int, kwargs: dict[str, Any]) -> list[list[int]]:
     """Length-sorted groups of ``batch_size`` conversations (by their first prompt), so a batch pads little."""
-    tok = verifier.tokenizer
 
     def first_len(p: Prompted) -> int:
         conv = ([{"role": "system", "content": p.system}] if p.system is not None else []) + [
@@ -216,17 +287,21 @@ def plan_parts(verifier: Verifier, prompts: list[Prompted], batch_size: int, kwa
     return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
 
 
-def _plan_record(cfg: RegenerateJobConfig, verifier: Verifier, prompts: list[Prompted]) -> dict[str, Any]:
+def _plan_record(cfg: RegenerateJobConfig, name: str, fingerprint: str, prompts: list[Prompted]) -> dict[str, Any]:
     h = hashlib.sha256()
     for p in prompts:
         h.update(json.dumps([p.index, p.system, p.questions]).encode())
-    opts = {k: v for k, v in asdict(cfg.regenerate).items() if k not in ("out_dir", "device", "overwrite")}
+    where = ("out_dir", "device", "overwrite", "vllm_python", "vllm_tensor_parallel_size", "vllm_max_num_seqs",
+             "vllm_enforce_eager")
+    opts = {k: v for k, v in asdict(cfg.regenerate).items() if k not in where}
     if opts["parts"] is None:
         del opts["parts"]  # a whole run's record reads as it did before slices existed
+    if opts["engine"] == "hf":
+        del opts["engine"]  # ... and as it did before there was a choice of engine
     return {
         "format_version": FORMAT_VERSION,
-        "verifier": verifier.name,
-        "verifier_fingerprint": verifier.fingerprint,
+        "verifier": name,
+        "verifier_fingerprint": fingerprint,
         "data": asdict(cfg.data),
         "options": opts,
         "prompts_sha256": h.hexdigest(),
@@ -252,7 +327,8 @@ def claim(out_dir: Path, record: dict[str, Any], overwrite: bool) -> None:
     atomic_write_text(plan, json.dumps(record, indent=1))
 
 
-def merge(out_dir: Path, part_ids: list[int], record: dict[str, Any], seconds: float) -> dict[str, Any]:
+def merge(out_dir: Path, part_ids: list[int], record: dict[str, Any], seconds: float, new_tokens: int = 0,
+          engine: dict[str, Any] | None = None) -> dict[str, Any]:
     rows = []
     for p in part_ids:
         with open(out_dir / PART_DIR / part_name(p)) as fh:
@@ -268,7 +344,10 @@ def merge(out_dir: Path, part_ids: list[int], record: dict[str, Any], seconds: f
         "answers": sum(finish[k] for k in ("stop", "length")),
         "finish": dict(finish),
         "seconds_this_run": round(seconds, 1),
+        "new_tokens_this_run": new_tokens,
     }
+    if engine:
+        manifest["engine_this_run"] = engine
     atomic_write_text(out_dir / "manifest.json", json.dumps(manifest, indent=1))
     return manifest
 
@@ -278,20 +357,68 @@ def run(cfg: RegenerateJobConfig) -> Path:
         return _run(cfg, info, device)
 
 
+@dataclass
+class _Weights:
+    """What engine=vllm needs of the verifier in this process: its tokenizer, name, fingerprint and folder (vLLM
+    loads the weights itself)."""
+
+    tokenizer: Any
+    name: str
+    fingerprint: str
+    path: Path
+    generation_config: Any
+
+
+def _vllm_weights(cfg: VerifierConfig) -> _Weights:
+    from transformers import GenerationConfig
+
+    path = resolve_verifier_dir(cfg)
+    gen = GenerationConfig.from_pretrained(path) if (path / "generation_config.json").is_file() else None
+    return _Weights(load_tokenizer(cfg, path), cfg.name_or_path, weight_fingerprint(path), path, gen)
+
+
+def _start_vllm(cfg: RegenerateJobConfig, weights: _Weights, python: Path, log_path: Path):
+    from fledge.data.vllm_engine import VllmEngine, cpu_env, vllm_dtype
+
+    opts = cfg.regenerate
+    settings = {
+        "model": str(weights.path),
+        "tokenizer": str(weights.path),
+        "skip_tokenizer_init": True,  # fledge tokenizes and detokenizes; vLLM sees token ids only
+        "dtype": vllm_dtype(parse_dtype(cfg.verifier.dtype, "cpu")),
+        "seed": opts.seed,
+        "max_model_len": cfg.data.max_length,
+        "max_num_seqs": opts.vllm_max_num_seqs,
+        "tensor_parallel_size": opts.vllm_tensor_parallel_size,
+        "trust_remote_code": cfg.verifier.trust_remote_code,
+        "enforce_eager": opts.vllm_enforce_eager,
+    }
+    return VllmEngine(python, settings, log_path, env=cpu_env())
+
+
 def _run(cfg: RegenerateJobConfig, info: DistInfo, device: torch.device) -> Path:
     opts = cfg.regenerate
     out_dir = Path(opts.out_dir)
+    python = None
+    if opts.engine == "vllm":
+        from fledge.data.vllm_engine import find_vllm_python
+
+        if info.world_size > 1:
+            raise ConfigError(f"regenerate.engine=vllm runs in one process (got {info.world_size} ranks): vLLM spreads "
+                              "one verifier over GPUs itself", fix="run fledge regenerate without torchrun, with "
+                              "regenerate.vllm_tensor_parallel_size=<GPUs>")
+        python = find_vllm_python(opts.vllm_python)  # before anything loads: a missing engine fails at once
     if info.is_main:
         resolve_verifier_dir(cfg.verifier)  # convert a GGUF once, before the other ranks look for it
     barrier()
-    verifier = load_verifier(cfg.verifier, device)
+    weights = _vllm_weights(cfg.verifier) if python else load_verifier(cfg.verifier, device)
     conversations, _ = load_conversations(cfg.data)  # logs its own report
     prompts = to_prompts(conversations, opts.turns)
     if not prompts:
         raise RegenerateError(f"no user turns to answer in {cfg.data.describe()}", fix="check data.source")
-    record = _plan_record(cfg, verifier, prompts)
+    record = _plan_record(cfg, weights.name, weights.fingerprint, prompts)
     kwargs = cfg.data.chat_template_kwargs
-    parts = plan_parts(verifier, prompts, opts.batch_size, kwargs)
+    parts = plan_parts(weights.tokenizer, prompts, opts.batch_size, kwargs)
     selected = list(range(len(parts))) if opts.parts is None else sorted(set(opts.parts))
     if selected[-1] >= len(parts):
         raise ConfigError(f"regenerate.parts: the plan has parts 0..{len(parts) - 1} "
@@ -309,7 +436,8 @@ def _run(cfg: RegenerateJobConfig, info: DistInfo, device: torch.device) -> Path
             stale.unlink()
     barrier()
 
-    stop_ids = stop_token_ids(verifier.tokenizer, getattr(verifier.model, "generation_config", None), kwargs)
+    gen_config = weights.generation_config if python else getattr(weights.model, "generation_config", None)
+    stop_ids = stop_token_ids(weights.tokenizer, gen_config, kwargs)
     mine = [p for p in selected if p % info.world_size == info.rank]
     todo = [p for p in mine if not (out_dir / PART_DIR / part_name(p)).is_file()]
     if len(todo) < len(mine):
@@ -323,9 +451,18 @@ def _run(cfg: RegenerateJobConfig, info: DistInfo, device: torch.device) -> Path
         produced += n
         bar.set_postfix_str(f"{produced:,} tokens, {produced / max(1e-9, time.perf_counter() - start):.0f} tok/s")
 
+    engine, engine_info = None, {}
     try:
+        if python is None:
+            answers = HFAnswers(weights, opts, stop_ids)
+        elif todo:
+            engine = _start_vllm(cfg, weights, python, out_dir / "vllm.log")
+            answers = VllmAnswers(engine, opts, stop_ids)
+            engine_info = {"engine": "vllm", **{k: engine.info[k] for k in ("vllm", "torch", "load_seconds")}}
+            start = time.perf_counter()  # tokens/s of decoding, as for hf (whose load came before the data)
         for p in todo:
-            records = regenerate_part(verifier, [prompts[i] for i in parts[p]], cfg, stop_ids, opts.seed + p, count)
+            records = regenerate_part(answers.part(opts.seed + p), weights.tokenizer, [prompts[i] for i in parts[p]],
+                                      cfg, count)
             atomic_write_text(
                 out_dir / PART_DIR / part_name(p), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
             )
@@ -334,11 +471,13 @@ def _run(cfg: RegenerateJobConfig, info: DistInfo, device: torch.device) -> Path
                 os._exit(137)  # fault injection for the resume test: die like kill -9 right after this part
     finally:
         bar.close()
+        if engine is not None:
+            engine.close()
     seconds = time.perf_counter() - start
     barrier()
     out = out_dir / "conversations.jsonl"
     if info.is_main:
-        manifest = merge(out_dir, selected, record, seconds)
+        manifest = merge(out_dir, selected, record, seconds, produced, engine_info)
         log.info(
             "regenerated %d conversations (%d answers: %s) into %s; %d new tokens in %.0f s on this rank (%.0f tok/s)",
             manifest["conversations_written"],

@@ -49,6 +49,10 @@ STAGES: dict[str, Stage] = {
         "fledge.data.regenerate:RegenerateJobConfig", "fledge.data.regenerate:run",
         "answer the training prompts with the verifier", out_keys=("regenerate.out_dir",),
     ),
+    "bench_regenerate": Stage(
+        "fledge.data.regenerate_bench:RegenerateBenchConfig", "fledge.data.regenerate_bench:run",
+        "regeneration tokens/s with each engine (hf, vllm) on the same prompts",
+    ),
     "cache": Stage(
         "fledge.data.cache_job:CacheJobConfig", "fledge.data.cache_job:run", "cache the verifier's hidden states",
         out_keys=("cache.dir",),
