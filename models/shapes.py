@@ -26,7 +26,12 @@ REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attent
 
 @dataclass
 class VerifierShape:
-    """The sizes of a Llama-style verifier that decide a job's memory, FLOPs and disk; None where unknown."""
+    """The sizes of a Llama-style verifier, dense or mixture-of-experts, that decide a job's memory, FLOPs and disk;
+    None where unknown.
+
+    A mixture-of-experts verifier (Qwen3-MoE, Mixtral) has ``num_experts`` routed experts in each of its MoE layers,
+    ``num_experts_per_tok`` of which run for each token: its memory is that of every parameter, its FLOPs those of
+    the active ones (``params`` against ``active_params``)."""
 
     hidden_size: int | None = None
     intermediate_size: int | None = None
@@ -40,6 +45,15 @@ class VerifierShape:
     vocab_size: int | None = None
     tie_word_embeddings: bool | None = None
     """Whether the output head is the input embedding (None: false, a separate head)."""
+    num_experts: int | None = None
+    """Routed experts per MoE layer (``num_experts``, ``num_local_experts``); None or 0: a dense verifier."""
+    num_experts_per_tok: int | None = None
+    """Experts each token runs through (None: 2, the common choice, where ``num_experts`` is set)."""
+    moe_intermediate_size: int | None = None
+    """Each expert's MLP width (Qwen3-MoE's ``moe_intermediate_size``); None: ``intermediate_size`` (Mixtral)."""
+    num_dense_layers: int | None = None
+    """Layers whose MLP is dense (``intermediate_size``) in a MoE verifier (Qwen3-MoE's ``mlp_only_layers`` and
+    ``decoder_sparse_step``); None: 0."""
 
     def missing(self) -> list[str]:
         return [name for name in REQUIRED if getattr(self, name) is None]
@@ -50,6 +64,10 @@ class VerifierShape:
         if missing:
             raise ConfigError(f"the verifier's shape misses {missing}", fix="give them as shape.<field>=<value>")
         heads = int(self.num_attention_heads)
+        experts = int(self.num_experts or 0)
+        if experts and not 0 < int(self.num_experts_per_tok or 2) <= experts:
+            raise ConfigError(f"the verifier's shape: num_experts_per_tok {self.num_experts_per_tok} is not within "
+                              f"1..num_experts ({experts})", fix="give shape.num_experts_per_tok=<k>")
         return VerifierShape(
             hidden_size=int(self.hidden_size),
             intermediate_size=int(self.intermediate_size),
@@ -59,20 +77,50 @@ class VerifierShape:
             head_dim=int(self.head_dim or int(self.hidden_size) // heads),
             vocab_size=int(self.vocab_size),
             tie_word_embeddings=bool(self.tie_word_embeddings),
+            # a dense verifier keeps the four None: its complete shape is what it always was
+            num_experts=experts or None,
+            num_experts_per_tok=int(self.num_experts_per_tok or 2) if experts else None,
+            moe_intermediate_size=int(self.moe_intermediate_size or self.intermediate_size) if experts else None,
+            num_dense_layers=int(self.num_dense_layers or 0) if experts else None,
         )
 
     def overlay(self, given: VerifierShape) -> VerifierShape:
         """This shape with every field that ``given`` sets replaced by its value."""
         return replace(self, **{k: v for k, v in asdict(given).items() if v is not None})
 
-    def params(self) -> int:
-        """Parameters of the whole verifier: embedding, decoder layers (attention, MLP, two norms each), final norm
-        and the output head unless it is tied to the embedding."""
+    def mlp_params(self, active: bool = False) -> int:
+        """Parameters of every decoder layer's MLP together; with ``active``, only those one token runs through (in a
+        MoE layer: its router and ``num_experts_per_tok`` experts, each gate/up/down of ``moe_intermediate_size``)."""
+        s = self.complete()
+        h = s.hidden_size
+        if not s.num_experts:
+            return s.num_hidden_layers * 3 * h * s.intermediate_size
+        dense = s.num_dense_layers * 3 * h * s.intermediate_size
+        experts = s.num_experts_per_tok if active else s.num_experts
+        per_layer = experts * 3 * h * s.moe_intermediate_size + s.num_experts * h  # the experts and the router
+        moe = (s.num_hidden_layers - s.num_dense_layers) * per_layer
+        return dense + moe
+
+    def params(self, active: bool = False) -> int:
+        """Parameters of the whole verifier: embedding, decoder layers (attention, MLP or experts and router, two
+        norms each), final norm and the output head unless it is tied to the embedding; with ``active``, a MoE
+        verifier's experts count only as far as one token runs through them."""
         s = self.complete()
         h, q, kv = s.hidden_size, s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
-        layer = h * q + 2 * h * kv + q * h + 3 * h * s.intermediate_size + 2 * h
+        layer = h * q + 2 * h * kv + q * h + 2 * h
         head = 0 if s.tie_word_embeddings else s.vocab_size * h
-        return s.vocab_size * h + s.num_hidden_layers * layer + h + head
+        return s.vocab_size * h + s.num_hidden_layers * layer + self.mlp_params(active) + h + head
+
+    def active_params(self) -> int:
+        return self.params(active=True)
+
+    def widest_mlp(self) -> int:
+        """The widest MLP activation one token makes in any layer (a dense layer's, or a MoE layer's experts')."""
+        s = self.complete()
+        if not s.num_experts:
+            return s.intermediate_size
+        dense = s.intermediate_size if s.num_dense_layers else 0
+        return max(dense, s.num_experts_per_tok * s.moe_intermediate_size)
 
 
 # The presets' verifiers (and the embedded default), as their config.json on the Hugging Face Hub gives them, so that
@@ -82,6 +130,8 @@ KNOWN_SHAPES: dict[str, VerifierShape] = {
     "meta-llama/Llama-3.3-70B-Instruct": VerifierShape(8192, 28672, 80, 64, 8, 128, 128256, False),
     "Qwen/Qwen3-8B": VerifierShape(4096, 12288, 36, 32, 8, 128, 151936, False),
     "HuggingFaceTB/SmolLM2-135M-Instruct": VerifierShape(576, 1536, 30, 9, 3, 64, 49152, True),
+    # 128 experts of width 768, 8 per token, every layer a MoE layer: 30.5 B parameters, 3.3 B active
+    "Qwen/Qwen3-30B-A3B": VerifierShape(2048, 6144, 48, 32, 4, 128, 151936, False, 128, 8, 768, 0),
 }
 
 
@@ -89,6 +139,14 @@ def shape_from_config(config: dict[str, Any]) -> VerifierShape:
     """The shape a Hugging Face ``config.json`` gives (a multimodal config's ``text_config`` when it has one)."""
     text = config.get("text_config") or config
     tied = text.get("tie_word_embeddings", config.get("tie_word_embeddings"))
+    experts = text.get("num_experts") or text.get("num_local_experts") or text.get("n_routed_experts")
+    dense = None
+    if experts:
+        layers = int(text.get("num_hidden_layers") or 0)
+        only = set(text.get("mlp_only_layers") or [])
+        step = int(text.get("decoder_sparse_step") or 1)
+        first = int(text.get("first_k_dense_replace") or 0)
+        dense = sum(1 for i in range(layers) if i in only or (i + 1) % step != 0 or i < first)
     return VerifierShape(
         hidden_size=text.get("hidden_size"),
         intermediate_size=text.get("intermediate_size"),
@@ -98,6 +156,10 @@ def shape_from_config(config: dict[str, Any]) -> VerifierShape:
         head_dim=text.get("head_dim"),
         vocab_size=text.get("vocab_size"),
         tie_word_embeddings=tied,
+        num_experts=experts,
+        num_experts_per_tok=(text.get("num_experts_per_tok") or text.get("experts_per_token")) if experts else None,
+        moe_intermediate_size=text.get("moe_intermediate_size") if experts else None,
+        num_dense_layers=dense,
     )
 
 
@@ -194,6 +256,10 @@ def shape_from_gguf(path: Path) -> VerifierShape:
         vocab_size=vocab,
         # llama.cpp writes no output.weight when the head is the embedding
         tie_word_embeddings="output.weight" not in names,
+        num_experts=get("expert_count") or None,
+        num_experts_per_tok=get("expert_used_count") if get("expert_count") else None,
+        moe_intermediate_size=get("expert_feed_forward_length") if get("expert_count") else None,
+        num_dense_layers=get("leading_dense_block_count") if get("expert_count") else None,
     )
 
 

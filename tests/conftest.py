@@ -15,7 +15,7 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
 
 
 @pytest.fixture
@@ -31,7 +31,7 @@ def one_thread():
 
 
 def tiny_hf_config(arch: str, vocab_size: int, layers: int = 8, hidden: int = 32):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=vocab_size,
@@ -43,9 +43,14 @@ def tiny_hf_config(arch: str, vocab_size: int, layers: int = 8, hidden: int = 32
         max_position_embeddings=4096,
         tie_word_embeddings=False,
     )
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}[arch]
-    if arch == "qwen3":
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
+           "qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig}[arch]
+    if arch in ("qwen3", "qwen3_moe"):
         common["head_dim"] = hidden // 4
+    if arch == "qwen3_moe":  # mixtures of experts: 4 experts, 2 per token (Qwen3-MoE's experts narrower)
+        common.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden // 2)
+    if arch == "mixtral":
+        common.update(num_local_experts=4, num_experts_per_tok=2)
     return cls(**common)
 
 
@@ -92,6 +97,15 @@ def write_random_draft_run(run_dir: Path, verifier_dir: Path, seed: int):
     meta = {"verifier": {"path": str(verifier_dir), "fingerprint": verifier.fingerprint}}  # as `fledge train` records
     write_final_draft(run_dir, draft.trainable_state_dict(), config, meta)
     return verifier, draft
+
+
+def main_exit(argv: list[str]) -> int:
+    """The exit status of the ``fledge`` command with these arguments, run in this process."""
+    from fledge.launch.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    return int(exc.value.code or 0)
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -11,7 +11,7 @@ from hydra.errors import ConfigCompositionException
 from fledge.launch.cli import CONF_DIR, STAGES, compose_config, main
 from fledge.launch.quickstart import QuickstartConfig, run_pipeline, split_argv
 
-from conftest import write_sharegpt_jsonl
+from conftest import main_exit, write_sharegpt_jsonl
 
 
 def shipped_configs() -> list[str]:
@@ -34,7 +34,7 @@ DATA_STAGES = ["cache", "train", "plan"]
 
 
 def test_presets_cover_the_real_jobs():
-    assert PRESETS == ["llama3.1-8b-instruct", "llama3.3-70b-instruct", "qwen3-8b"]
+    assert PRESETS == ["llama3.1-8b-instruct", "llama3.3-70b-instruct", "qwen3-30b-a3b", "qwen3-8b"]
     assert sorted(p.name for p in (CONF_DIR / "preset").iterdir() if p.is_dir()) == sorted(PRESET_STAGES + PRESET_PARTS)
     for folder in PRESET_STAGES + PRESET_PARTS:
         assert sorted(p.stem for p in (CONF_DIR / "preset" / folder).glob("*.yaml")) == PRESETS
@@ -52,12 +52,12 @@ def test_every_stage_of_a_preset_names_the_same_job(preset, monkeypatch):
     monkeypatch.setenv("FLEDGE_RUNS", "/shared/runs")
     cfg = {stage: compose_config(stage, [f"preset={preset}"]) for stage in PRESET_STAGES + ["plan"]}
     model = {"llama3.1-8b-instruct": "meta-llama/Llama-3.1-8B-Instruct", "qwen3-8b": "Qwen/Qwen3-8B",
-             "llama3.3-70b-instruct": "meta-llama/Llama-3.3-70B-Instruct"}[preset]
+             "llama3.3-70b-instruct": "meta-llama/Llama-3.3-70B-Instruct", "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B"}[preset]
     for stage in ("regenerate", "cache", "train", "plan", "eval", "tune"):
         assert cfg[stage].verifier.name_or_path == model, stage
         assert cfg[stage].verifier.device_map == ("auto" if "70b" in preset else None), stage
         assert cfg[stage].verifier.dtype == "auto", stage
-    max_length = 2048 if preset == "qwen3-8b" else 4096
+    max_length = 2048 if preset.startswith("qwen3") else 4096
     thinking = {"enable_thinking": False} if "qwen3" in preset else {}
     root = f"/shared/runs/{preset}"
     for stage in DATA_STAGES:
@@ -158,12 +158,6 @@ def test_quickstart_pipeline_on_a_tiny_verifier(tmp_path, tiny_verifier_dir):
     # A rerun skips every finished stage.
     second = run_pipeline(cfg)
     assert all(t["skipped"] for t in second["timings"].values())
-
-
-def main_exit(argv: list[str]) -> int:
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    return int(exc.value.code or 0)
 
 
 def test_exactness_command_runs_the_real_loops(capsys):

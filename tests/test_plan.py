@@ -42,7 +42,7 @@ from fledge.train.ttt import TTTConfig, ttt_forward
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-PRESETS = ["llama3.1-8b-instruct", "llama3.3-70b-instruct", "qwen3-8b"]
+PRESETS = ["llama3.1-8b-instruct", "llama3.3-70b-instruct", "qwen3-30b-a3b", "qwen3-8b"]
 LLAMA_8B = KNOWN_SHAPES["meta-llama/Llama-3.1-8B-Instruct"]
 
 
@@ -275,6 +275,20 @@ def test_gguf_metadata_gives_the_shape_without_the_weights(tmp_path):
     metadata, names = read_gguf_header(path)
     assert names == ["output.weight"] and metadata["general.architecture"] == "qwen2"
     assert shape_from_gguf(path).complete() == VerifierShape(96, 256, 5, 6, 2, 16, 77, False)
+    # a mixture of experts (llama.cpp's qwen3moe keys): 8 experts of width 64, 2 per token
+    path = tmp_path / "moe.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen3moe")
+    for add, value in (("embedding_length", 96), ("feed_forward_length", 256), ("block_count", 5),
+                       ("head_count", 6), ("head_count_kv", 2), ("expert_count", 8), ("expert_used_count", 2),
+                       ("expert_feed_forward_length", 64)):
+        getattr(writer, f"add_{add}")(value)
+    writer.add_token_list([f"t{i}" for i in range(77)])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    moe = shape_from_gguf(path).complete()
+    assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size, moe.num_dense_layers) == (8, 2, 64, 0)
+    assert moe.params() - moe.active_params() == 5 * 6 * 3 * 96 * 64 and moe.tie_word_embeddings
 
 
 def test_shapes_come_from_a_folder_the_table_or_the_user(tiny_verifier_dir):
@@ -376,8 +390,12 @@ def test_the_cli_prints_the_plan_of_each_preset(preset, tmp_path):
     assert rows["total_offline_gib"] == [f"{plan['memory']['offline'][f'zero{s}']['total_gib']:.2f}" for s in range(4)]
     assert rows["recommended_mode"] == [plan["recommendation"]["mode"]]
     assert plan["data"]["conversations"] > 10_000  # ShareGPT stands in for regenerate's answers
-    assert int(rows["cache_bytes_per_token"][0].replace(",", "")) == (64 if "70b" in preset else 32) * 1024 + 5
+    hidden = {"llama3.3-70b-instruct": 8192, "qwen3-30b-a3b": 2048}.get(preset, 4096)
+    assert int(rows["cache_bytes_per_token"][0].replace(",", "")) == 4 * hidden * 2 + 5
     assert rows["recommended_fits"] == (["no"] if "70b" in preset else ["yes"])
+    if preset == "qwen3-30b-a3b":  # a mixture of experts: memory of every parameter, FLOPs of the active ones
+        assert "128 experts of MLP 768, 8 per token" in done.stdout and "3.35 B active per token" in done.stdout
+        assert plan["verifier"]["params"] == 30_532_110_336 and plan["verifier"]["active_params"] == 3_353_020_416
 
 
 def test_bad_input_is_one_line_and_status_2():

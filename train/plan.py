@@ -212,7 +212,7 @@ def peak_memory(
     if online:
         # the verifier's forward (no grad): the captured states and one layer's widest temporaries, bf16
         v = job.verifier.complete()
-        buffers += 2 * n_tok * (4 * v.hidden_size + 3 * v.intermediate_size + 2 * v.hidden_size)
+        buffers += 2 * n_tok * (4 * v.hidden_size + 3 * v.widest_mlp() + 2 * v.hidden_size)
     persistent["engine_buffers"] = buffers
 
     saved = sum(ttt_saved_bytes(job).values())
@@ -275,12 +275,12 @@ def draft_flops(c: Eagle3Config, seq_len: int, ttt_steps: int, loss_fraction: fl
 
 def verifier_flops(v: VerifierShape, seq_len: int) -> float:
     """FLOPs of the verifier's forward over one sequence as the cache runs it (decoder only, no head; causal
-    attention counts the pairs it keeps)."""
+    attention counts the pairs it keeps; a MoE layer counts its router and the experts each token runs through)."""
     v = v.complete()
     h, q, kv = v.hidden_size, v.num_attention_heads * v.head_dim, v.num_key_value_heads * v.head_dim
-    layer = h * q + 2 * h * kv + q * h + 3 * h * v.intermediate_size
+    projections = h * q + 2 * h * kv + q * h
     attention = 2 * 2 * q * seq_len * (seq_len + 1) / 2
-    return v.num_hidden_layers * (2 * seq_len * layer + attention)
+    return v.num_hidden_layers * (2 * seq_len * projections + attention) + 2 * seq_len * v.mlp_params(active=True)
 
 
 def cache_bytes_per_token(hidden_size: int, storage_bytes: int) -> int:

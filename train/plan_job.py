@@ -451,7 +451,7 @@ def make_plan(cfg: PlanJobConfig) -> dict[str, Any]:
 
     return {
         "verifier": {"name": cfg.verifier.name_or_path, "shape": dataclasses.asdict(shape), "shape_from": shape_source,
-                     "params": shape.params()},
+                     "params": shape.params(), "active_params": shape.active_params()},
         "hardware": {"nodes": cfg.nodes, "gpus_per_node": cfg.gpus_per_node, "world": world,
                      "gpu_memory_gib": cfg.gpu_memory_gib, "reserve_gib": cfg.reserve_gib,
                      "usable_gib": usable / GIB, "peak_tflops": cfg.peak_tflops, "mfu": cfg.mfu},
@@ -494,6 +494,18 @@ TERMS = ("verifier_weights", "draft_weights", "frozen_embedding", "teacher_head"
          "optimizer_states", "gradients", "engine_buffers", "step_buffers", "batch", "ttt_activations")
 
 
+def _mlp_words(s: dict[str, Any]) -> str:
+    if not s.get("num_experts"):
+        return f"MLP {s['intermediate_size']}"
+    dense = f", {s['num_dense_layers']} dense layers of MLP {s['intermediate_size']}" if s["num_dense_layers"] else ""
+    return f"{s['num_experts']} experts of MLP {s['moe_intermediate_size']}, {s['num_experts_per_tok']} per token{dense}"
+
+
+def _active_words(v: dict[str, Any]) -> str:
+    active = v.get("active_params", v["params"])
+    return f", {active / 1e9:.2f} B active per token" if active != v["params"] else ""
+
+
 def render(plan: dict[str, Any]) -> str:
     v, hw, job, data, disk = plan["verifier"], plan["hardware"], plan["job"], plan["data"], plan["disk"]
     s = v["shape"]
@@ -503,8 +515,8 @@ def render(plan: dict[str, Any]) -> str:
         f"job       {v['name']} on {hw['nodes']} node(s) x {hw['gpus_per_node']} GPU(s), {hw['gpu_memory_gib']:g} GiB "
         f"each ({hw['usable_gib']:.1f} usable), {hw['peak_tflops']:g} TFLOP/s at MFU {hw['mfu']:.2f}",
         f"verifier  hidden {s['hidden_size']}, {s['num_hidden_layers']} layers, {s['num_attention_heads']}/"
-        f"{s['num_key_value_heads']} heads x {s['head_dim']}, MLP {s['intermediate_size']}, vocabulary "
-        f"{s['vocab_size']:,}: {v['params'] / 1e9:.2f} B parameters (shape from {v['shape_from']})",
+        f"{s['num_key_value_heads']} heads x {s['head_dim']}, {_mlp_words(s)}, vocabulary "
+        f"{s['vocab_size']:,}: {v['params'] / 1e9:.2f} B parameters{_active_words(v)} (shape from {v['shape_from']})",
         f"draft     {job['trainable_params'] / 1e9:.3f} B trained parameters (fc {p['fc'] / 1e6:.0f} M, attention "
         f"{p['attention'] / 1e6:.0f} M, MLP {p['mlp'] / 1e6:.0f} M, lm_head {p['lm_head'] / 1e6:.0f} M), draft "
         f"vocabulary {job['draft_vocab_size']:,}, TTT {job['ttt_steps']}, {job['dtype']}"
