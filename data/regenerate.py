@@ -370,14 +370,18 @@ class _Weights:
 
 
 def _vllm_weights(cfg: VerifierConfig) -> _Weights:
-    from transformers import GenerationConfig
+    from transformers import AutoConfig, GenerationConfig
 
     path = resolve_verifier_dir(cfg)
-    gen = GenerationConfig.from_pretrained(path) if (path / "generation_config.json").is_file() else None
+    if (path / "generation_config.json").is_file():
+        gen = GenerationConfig.from_pretrained(path)
+    else:  # what a loaded model's generation_config would be: the one its config implies
+        config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+        gen = GenerationConfig.from_model_config(config)
     return _Weights(load_tokenizer(cfg, path), cfg.name_or_path, weight_fingerprint(path), path, gen)
 
 
-def _start_vllm(cfg: RegenerateJobConfig, weights: _Weights, python: Path, log_path: Path):
+def _start_vllm(cfg: RegenerateJobConfig, weights: _Weights, python: Path, log_path: Path, device: torch.device):
     from fledge.data.vllm_engine import VllmEngine, cpu_env, vllm_dtype
 
     opts = cfg.regenerate
@@ -385,7 +389,7 @@ def _start_vllm(cfg: RegenerateJobConfig, weights: _Weights, python: Path, log_p
         "model": str(weights.path),
         "tokenizer": str(weights.path),
         "skip_tokenizer_init": True,  # fledge tokenizes and detokenizes; vLLM sees token ids only
-        "dtype": vllm_dtype(parse_dtype(cfg.verifier.dtype, "cpu")),
+        "dtype": vllm_dtype(parse_dtype(cfg.verifier.dtype, device)),  # auto: as engine=hf would run here
         "seed": opts.seed,
         "max_model_len": cfg.data.max_length,
         "max_num_seqs": opts.vllm_max_num_seqs,
@@ -456,7 +460,7 @@ def _run(cfg: RegenerateJobConfig, info: DistInfo, device: torch.device) -> Path
         if python is None:
             answers = HFAnswers(weights, opts, stop_ids)
         elif todo:
-            engine = _start_vllm(cfg, weights, python, out_dir / "vllm.log")
+            engine = _start_vllm(cfg, weights, python, out_dir / "vllm.log", device)
             answers = VllmAnswers(engine, opts, stop_ids)
             engine_info = {"engine": "vllm", **{k: engine.info[k] for k in ("vllm", "torch", "load_seconds")}}
             start = time.perf_counter()  # tokens/s of decoding, as for hf (whose load came before the data)
