@@ -99,6 +99,33 @@ def write_random_draft_run(run_dir: Path, verifier_dir: Path, seed: int):
     return verifier, draft
 
 
+def tiny_pipeline(tmp_path: Path, verifier_dir: Path, conversations: int, stages: list[str]):
+    """The quickstart's stages at fixed tiny sizes on a tiny verifier (run folder ``tmp_path/qs``): ``conversations``
+    random ShareGPT-style conversations, two one-turn prompts to evaluate, a 3-step training run."""
+    from fledge.launch.quickstart import QuickstartConfig
+
+    source = write_sharegpt_jsonl(tmp_path / "convs.jsonl", conversations, max_words=30)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "turns": [f"the a of {i} to and"]}) + "\n" for i in range(2)))
+    run = tmp_path / "qs"
+    verifier = f"verifier.name_or_path={verifier_dir}"
+    return QuickstartConfig(
+        run_dir=str(run),
+        stages=stages,
+        budget_minutes=None,  # fixed sizes (the budget does not size regeneration), overridden below
+        regenerate=[verifier, "verifier.dtype=float32", f"data.source={source}", "data.max_length=128",
+                    f"regenerate.out_dir={run}/regen", "regenerate.max_new_tokens=24", "regenerate.device=cpu"],
+        cache=[f"cache.dir={run}/cache", verifier, "verifier.dtype=float32", f"data.source={source}",
+               "data.max_length=128", "cache.draft_vocab_size=128"],
+        train=[f"cache_dir={run}/cache", f"output_dir={run}/train", "train.max_steps=3", "eval.holdout=2",
+               "eval.every=2", "checkpoint.every=2", "ttt.ttt_steps=2", "log.wandb_mode=offline"],
+        eval=[f"draft={run}/train", verifier, "verifier.dtype=float32", f"prompts=[{prompts}]",
+              "eval.max_new_tokens=6", f"eval.out_dir={run}/eval", "eval.warmup_tokens=0"],
+        export=[f"draft={run}/train", f"out_dir={run}/export", f"report={run}/eval/report.json",
+                f"verifier={verifier_dir}"],
+    )
+
+
 def main_exit(argv: list[str]) -> int:
     """The exit status of the ``fledge`` command with these arguments, run in this process."""
     from fledge.launch.cli import main

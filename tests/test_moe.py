@@ -8,11 +8,11 @@ import json
 import pytest
 from transformers import AutoModelForCausalLM
 
-from fledge.launch.quickstart import QuickstartConfig, run_pipeline
+from fledge.launch.quickstart import run_pipeline
 from fledge.models.shapes import VerifierShape, shape_from_config
 from fledge.train.plan import verifier_flops
 
-from conftest import main_exit, make_tiny_verifier, tiny_hf_config, write_sharegpt_jsonl
+from conftest import main_exit, make_tiny_verifier, tiny_hf_config, tiny_pipeline
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -54,23 +54,8 @@ def test_dense_layers_of_a_moe_are_counted_from_its_config():
 @pytest.mark.parametrize("arch", MOE)
 def test_the_pipeline_on_a_tiny_moe_verifier(arch, tmp_path, smollm_tokenizer):
     verifier_dir = make_tiny_verifier(tmp_path, arch, smollm_tokenizer)
-    source = write_sharegpt_jsonl(tmp_path / "convs.jsonl", 16, max_words=30)
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": i, "turns": [f"the a of {i} to and"]}) + "\n" for i in range(2)))
+    run_pipeline(tiny_pipeline(tmp_path, verifier_dir, 16, ["cache", "train", "eval", "export"]))
     run = tmp_path / "qs"
-    verifier = f"verifier.name_or_path={verifier_dir}"
-    cfg = QuickstartConfig(
-        run_dir=str(run), stages=["cache", "train", "eval", "export"], budget_minutes=None,
-        cache=[f"cache.dir={run}/cache", verifier, "verifier.dtype=float32", f"data.source={source}",
-               "data.max_length=128", "cache.draft_vocab_size=128"],
-        train=[f"cache_dir={run}/cache", f"output_dir={run}/train", "train.max_steps=3", "eval.holdout=2",
-               "eval.every=2", "checkpoint.every=2", "ttt.ttt_steps=2", "log.wandb_mode=offline"],
-        eval=[f"draft={run}/train", verifier, "verifier.dtype=float32", f"prompts=[{prompts}]",
-              "eval.max_new_tokens=6", f"eval.out_dir={run}/eval", "eval.warmup_tokens=0"],
-        export=[f"draft={run}/train", f"out_dir={run}/export", f"report={run}/eval/report.json",
-                f"verifier={verifier_dir}"],
-    )
-    run_pipeline(cfg)
     manifest = json.loads((run / "cache" / "manifest.json").read_text())
     assert manifest["num_conversations"] > 0 and manifest["num_loss_tokens"] > 0
     entry = json.loads((run / "eval" / "report.json").read_text())["sets"]["prompts"]["drafters"]["eagle3"]

@@ -9,9 +9,9 @@ import pytest
 from hydra.errors import ConfigCompositionException
 
 from fledge.launch.cli import CONF_DIR, STAGES, compose_config, main
-from fledge.launch.quickstart import QuickstartConfig, run_pipeline, split_argv
+from fledge.launch.quickstart import run_pipeline, split_argv
 
-from conftest import main_exit, write_sharegpt_jsonl
+from conftest import main_exit, tiny_pipeline
 
 
 def shipped_configs() -> list[str]:
@@ -116,26 +116,8 @@ def test_quickstart_argv_routes_stage_overrides():
 
 
 def test_quickstart_pipeline_on_a_tiny_verifier(tmp_path, tiny_verifier_dir):
-    source = write_sharegpt_jsonl(tmp_path / "convs.jsonl", 24, max_words=30)
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": i, "turns": [f"the a of {i} to and"]}) + "\n" for i in range(2)))
+    cfg = tiny_pipeline(tmp_path, tiny_verifier_dir, 24, ["regenerate", "cache", "train", "eval", "export"])
     run = tmp_path / "qs"
-    verifier = f"verifier.name_or_path={tiny_verifier_dir}"
-    cfg = QuickstartConfig(
-        run_dir=str(run),
-        stages=["regenerate", "cache", "train", "eval", "export"],
-        budget_minutes=None,  # fixed sizes (the budget does not size regeneration), overridden below
-        regenerate=[verifier, "verifier.dtype=float32", f"data.source={source}", "data.max_length=128",
-                    f"regenerate.out_dir={run}/regen", "regenerate.max_new_tokens=24", "regenerate.device=cpu"],
-        cache=[f"cache.dir={run}/cache", verifier, "verifier.dtype=float32", f"data.source={source}",
-               "data.max_length=128", "cache.draft_vocab_size=128"],
-        train=[f"cache_dir={run}/cache", f"output_dir={run}/train", "train.max_steps=3", "eval.holdout=2",
-               "eval.every=2", "checkpoint.every=2", "ttt.ttt_steps=2", "log.wandb_mode=offline"],
-        eval=[f"draft={run}/train", verifier, "verifier.dtype=float32", f"prompts=[{prompts}]",
-              "eval.max_new_tokens=6", f"eval.out_dir={run}/eval", "eval.warmup_tokens=0"],
-        export=[f"draft={run}/train", f"out_dir={run}/export", f"report={run}/eval/report.json",
-                f"verifier={tiny_verifier_dir}"],
-    )
     first = run_pipeline(cfg)
     assert not any(t["skipped"] for t in first["timings"].values())
     assert list(first["timings"]) == ["regenerate", "cache", "train", "eval", "export"]
