@@ -22,6 +22,7 @@ seeds either way, so the two differ only in the verifier's arithmetic (identical
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -207,7 +208,7 @@ class VllmAnswers:
         self.engine, self.opts, self.stop_ids = engine, opts, stop_ids
 
     def part(self, seed: int) -> Answer:
-        turn = iter(range(1 << 30))
+        turn = itertools.count()
 
         def answer(contexts: list[list[int]], limits: list[int]) -> list[tuple[list[int], bool]]:
             t = next(turn)
