@@ -8,8 +8,8 @@ One ``forward`` serves every caller; what differs is only how attention sees the
 - no cache: ordinary causal (or ``attn_mask``) attention over the call's own tokens;
 - ``DraftKVCache`` (inference): keys/values are appended to a cache and the queries attend to everything cached,
   causally by default or through a tree mask from the evaluator;
-- ``TTTCache`` (training-time test, see ``train/ttt.py``): each unroll step appends its keys; a query at step k
-  attends causally to the step-0 keys and to the same-position key of steps 1..k.
+- ``TTTCache`` (training-time test, see ``train/ttt.py`` and ``models/ttt_attention.py``): each unroll step appends
+  its keys; a query at step k attends causally to the step-0 keys and to the same-position key of steps 1..k.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 from torch import nn
 
 from fledge.core.errors import ConfigError, MismatchError
 from fledge.models.fused_ce import fused_soft_cross_entropy
+from fledge.models.ttt_attention import TTTCache
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -334,92 +334,11 @@ class DraftKVCache:
         return _sdpa(q, k_all, v_all, attn_mask, causal=attn_mask is None and past == 0)
 
 
-class TTTCache:
-    """Keys/values of the training-time-test unroll: one [B, kv_heads, T, d] entry per step taken so far.
-    ``query_chunk``: see ``ttt_attention`` (0: the whole sequence at once)."""
-
-    def __init__(self, query_chunk: int = 0) -> None:
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
-        self.query_chunk = query_chunk
-
-    @property
-    def steps(self) -> int:
-        return len(self.keys)
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
-        if attn_mask is not None:
-            raise ValueError("the TTT unroll builds its own attention pattern; attn_mask must be None")
-        if self.keys and self.keys[0].shape != k.shape:
-            raise ValueError(f"TTT step keys {tuple(k.shape)} differ from step 0's {tuple(self.keys[0].shape)}")
-        self.keys.append(k)
-        self.values.append(v)
-        return ttt_attention(q, self.keys, self.values, self.query_chunk)
-
-
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
     if mask is not None and mask.dtype != torch.bool:
         mask = mask.to(q.dtype)
     gqa = q.shape[1] != k.shape[1]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
-
-
-def ttt_attention(
-    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], query_chunk: int = 0
-) -> torch.Tensor:
-    """Attention of step k = len(keys) - 1 of the TTT unroll, without a dense [T, k*T] mask.
-
-    q [B, H, T, d]; keys/values: one [B, Hkv, T, d] per step 0..k. The query at position t attends to the step-0
-    keys 0..t (causal) and to key t of each step 1..k (the earlier draft steps of its own chain). Scores against
-    step 0 are one [T, T] matrix product; each later step contributes one score per query (a dot product on the
-    diagonal); a single softmax runs over their concatenation. Equal to dense attention over the concatenated
-    keys with the block mask [tril | eye | ... | eye] (tests/test_ttt.py checks forward and gradients).
-
-    With ``query_chunk`` > 0 and T longer than it, the queries go in blocks of that many rows: a block sees the
-    step-0 keys up to its last row and its own rows' diagonal keys, and under autograd each block is recomputed in
-    the backward (``torch.utils.checkpoint``) instead of keeping its scores and probabilities. The [B, H, T, T+k]
-    probabilities of every step of the unroll, the largest activation of a long sequence, then exist for one block
-    at a time: peak attention memory O(chunk·T) instead of O(k·T²), at the cost of a second forward of the attention.
-    """
-    t = q.shape[2]
-    if query_chunk <= 0 or t <= query_chunk:
-        return _ttt_attention_rows(q, keys[0], values[0], keys[1:], values[1:], 0)
-    recompute = torch.is_grad_enabled() and any(x.requires_grad for x in [q, *keys, *values])
-    blocks = []
-    for start in range(0, t, query_chunk):
-        end = min(start + query_chunk, t)
-        args = (q[:, :, start:end], keys[0][:, :, :end], values[0][:, :, :end],
-                [k[:, :, start:end] for k in keys[1:]], [v[:, :, start:end] for v in values[1:]], start)
-        if recompute:
-            blocks.append(torch.utils.checkpoint.checkpoint(_ttt_attention_rows, *args, use_reentrant=False))
-        else:
-            blocks.append(_ttt_attention_rows(*args))
-    return torch.cat(blocks, dim=2)
-
-
-def _ttt_attention_rows(
-    q: torch.Tensor, key0: torch.Tensor, value0: torch.Tensor, diag_keys: list[torch.Tensor],
-    diag_values: list[torch.Tensor], start: int,
-) -> torch.Tensor:
-    """Query rows ``start .. start + n`` (q [B, H, n, d]) against the step-0 keys ``0 .. start + n`` and their own
-    rows' keys of the later steps (each [B, Hkv, n, d])."""
-    b, h, n, d = q.shape
-    hkv = key0.shape[1]
-    group = h // hkv
-    # Grouped-query attention by broadcasting: [B, Hkv, group, n, d] queries against [B, Hkv, 1, T, d] keys.
-    qg = q.reshape(b, hkv, group, n, d) * (1.0 / math.sqrt(d))
-    scores0 = torch.matmul(qg, key0.unsqueeze(2).transpose(-1, -2))  # [B, Hkv, g, n, start + n]
-    causal = torch.ones(n, key0.shape[2], dtype=torch.bool, device=q.device).tril(diagonal=start)
-    scores0 = scores0.masked_fill(~causal, float("-inf"))
-    diagonal = [(qg * k_i.unsqueeze(2)).sum(-1, keepdim=True).to(scores0.dtype) for k_i in diag_keys]
-    # Softmax in float32 (as the reference implementations do): under bf16 autocast the scores are bf16.
-    scores = torch.cat([scores0, *diagonal], dim=-1)
-    probs = scores.softmax(dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(value0.dtype)
-    width = key0.shape[2]
-    out = torch.matmul(probs[..., :width], value0.unsqueeze(2))
-    for i, v_i in enumerate(diag_values):
-        out = out + probs[..., width + i : width + i + 1] * v_i.unsqueeze(2)
-    return out.reshape(b, h, n, d)
 
 
 class Eagle3Attention(nn.Module):
@@ -512,10 +431,11 @@ class DraftHead(nn.Linear):
         row_weight: torch.Tensor | None = None,
         chunk: int = 1024,
         teacher_top: torch.Tensor | None = None,
+        compiled: bool = False,
     ):
         if teacher is None:
             return super().forward(x)
-        return fused_soft_cross_entropy(x, self.weight, teacher, index, row_weight, chunk, teacher_top)
+        return fused_soft_cross_entropy(x, self.weight, teacher, index, row_weight, chunk, teacher_top, compiled)
 
 
 class Eagle3Draft(nn.Module):

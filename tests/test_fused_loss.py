@@ -175,9 +175,10 @@ def test_fast_teacher_decides_exactly_as_float32_on_near_ties() -> None:
 
     teacher = TeacherHead(head, t2d)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        probs, in_vocab = teacher.targets(final, chunk=7)
+        probs, in_vocab, top = teacher.targets(final, chunk=7)
     assert torch.equal(in_vocab, ref_in)
     torch.testing.assert_close(probs, ref_probs, rtol=1e-6, atol=1e-7)
+    assert torch.equal(top, probs.argmax(-1))
     assert n <= teacher.fallback_rows < final.shape[1], "near-ties fall back to float32, ordinary rows do not"
     assert teacher._fast[torch.bfloat16][0].dtype == torch.bfloat16
 

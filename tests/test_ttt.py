@@ -8,8 +8,10 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from fledge.core.errors import ConfigError
 from fledge.models.capture import forward_hidden
-from fledge.models.draft import DraftKVCache, Eagle3Config, Eagle3Draft, ttt_attention
+from fledge.models.draft import DraftKVCache, Eagle3Config, Eagle3Draft
+from fledge.models.ttt_attention import ttt_attention
 from fledge.train.ttt import TTTConfig, shift_left, teacher_targets, ttt_forward, ttt_unroll
 
 # float64 everywhere below except the overfit run: equalities hold to rounding, so the tolerance is tight.
@@ -92,10 +94,12 @@ def random_head(draft: Eagle3Draft, seed: int = 0) -> torch.Tensor:
     return 2.0 * torch.randn(draft.config.vocab_size, draft.config.target_hidden_size, generator=g, dtype=torch.float64)
 
 
-@pytest.mark.parametrize("chunk", [0, 3, 7], ids=["whole", "blocks-of-3", "one-block"])
-@pytest.mark.parametrize("steps", [1, 2, 4])
-def test_ttt_attention_equals_dense_mask_forward_and_grads(steps: int, chunk: int) -> None:
-    """Whole, or in recomputed blocks of query rows (3: blocks of 3, 3 and 1 rows; 7: the whole as one block)."""
+@pytest.mark.parametrize("kernel,chunk", [("flash", 0), ("blocks", 0), ("blocks", 3), ("blocks", 7)],
+                         ids=["flash", "whole", "blocks-of-3", "one-block"])
+@pytest.mark.parametrize("steps", [1, 2, 4, 7])
+def test_ttt_attention_equals_dense_mask_forward_and_grads(steps: int, kernel: str, chunk: int) -> None:
+    """The flash kernel with the diagonal merged in; the explicit scores whole, or in recomputed blocks of query rows
+    (3: blocks of 3, 3 and 1 rows; 7: the whole as one block)."""
     g = torch.Generator().manual_seed(steps)
     b, h, hkv, t, d = 2, 4, 2, 7, 8
     q = torch.randn(b, h, t, d, generator=g, dtype=torch.float64, requires_grad=True)
@@ -103,7 +107,7 @@ def test_ttt_attention_equals_dense_mask_forward_and_grads(steps: int, chunk: in
     values = [torch.randn(b, hkv, t, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(steps)]
     weights = torch.randn(b, h, t, d, generator=g, dtype=torch.float64)
 
-    out = ttt_attention(q, keys, values, chunk)
+    out = ttt_attention(q, keys, values, chunk, kernel)
     ref = dense_ttt_attention(q, keys, values)
     torch.testing.assert_close(out, ref, **TOL)
     grads = torch.autograd.grad((out * weights).sum(), [q, *keys, *values])
@@ -112,10 +116,56 @@ def test_ttt_attention_equals_dense_mask_forward_and_grads(steps: int, chunk: in
         torch.testing.assert_close(got, want, **TOL)
 
 
-@pytest.mark.parametrize("chunk", [0, 4])
-def test_unroll_through_the_model_equals_dense_reference(chunk: int) -> None:
+def test_flash_attention_in_bf16_is_the_explicit_scores_to_rounding() -> None:
+    """Under bf16 the two kernels round differently (the flash kernel accumulates in float32 throughout); they must
+    agree to bf16's rounding, forward and gradients, at every step of a 7-step unroll."""
+    g = torch.Generator().manual_seed(3)
+    b, h, hkv, t, d = 1, 6, 2, 50, 32
+    q = torch.randn(b, h, t, d, generator=g).bfloat16().requires_grad_()
+    keys = [torch.randn(b, hkv, t, d, generator=g).bfloat16().requires_grad_() for _ in range(7)]
+    values = [torch.randn(b, hkv, t, d, generator=g).bfloat16().requires_grad_() for _ in range(7)]
+    weights = torch.randn(b, h, t, d, generator=g).bfloat16()
+    for steps in range(1, 8):
+        inputs = [q, *keys[:steps], *values[:steps]]
+        outs = {k: ttt_attention(q, keys[:steps], values[:steps], 0, k) for k in ("flash", "blocks")}
+        grads = {k: torch.autograd.grad((o.float() * weights.float()).sum(), inputs) for k, o in outs.items()}
+        torch.testing.assert_close(outs["flash"].float(), outs["blocks"].float(), rtol=2e-2, atol=2e-2)
+        for got, want in zip(grads["flash"], grads["blocks"]):
+            torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2)
+
+
+def test_a_flash_kernel_that_disagrees_falls_back_to_the_explicit_scores(monkeypatch, caplog) -> None:
+    """``auto`` checks the device's kernel once before using it: a wrong one (here, the causal part's output off by
+    a little) is caught, warned about, and the unroll runs the explicit scores, with the right numbers."""
+    from fledge.models import ttt_attention as module
+
+    real = module._causal_forward
+
+    def wrong(q, k, v, scale):
+        out, lse, extra = real(q, k, v, scale)
+        return out * 1.01, lse, extra
+
+    monkeypatch.setattr(module, "_causal_forward", wrong)
+    monkeypatch.setattr(module, "_FLASH_CHECKED", {})
+    with caplog.at_level("WARNING"):
+        assert not module.flash_available(torch.device("cpu"))
+        assert not module.flash_available(torch.device("cpu"))  # checked once
+    assert sum("failed its check" in r.message for r in caplog.records) == 1
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 9, 8, generator=g, dtype=torch.float64)
+    keys = [torch.randn(1, 2, 9, 8, generator=g, dtype=torch.float64) for _ in range(3)]
+    torch.testing.assert_close(ttt_attention(q, keys, keys, 0, "auto"), dense_ttt_attention(q, keys, keys), **TOL)
+    with pytest.raises(ConfigError, match="ttt.attention must be one of"):
+        ttt_attention(q, keys, keys, 0, "flex")
+    monkeypatch.setattr(module, "_FLASH_CHECKED", {})
+    monkeypatch.setattr(module, "_causal_forward", real)
+    assert module.flash_available(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("kernel,chunk", [("flash", 0), ("blocks", 0), ("blocks", 4)])
+def test_unroll_through_the_model_equals_dense_reference(kernel: str, chunk: int) -> None:
     """The whole unroll (RoPE, GQA, feedback of hidden states) with the efficient cache against the dense one, the
-    attention whole or in recomputed blocks of 4 query rows."""
+    attention through the flash kernel, or explicit scores whole or in recomputed blocks of 4 query rows."""
     draft = tiny_draft()
     batch = random_batch(draft, 2, 9)
     steps = 4
@@ -124,7 +174,7 @@ def test_unroll_through_the_model_equals_dense_reference(chunk: int) -> None:
         draft.zero_grad(set_to_none=True)
         fused = draft.fuse(batch["aux"])
         if cache_cls is None:
-            outs = list(ttt_unroll(draft, fused, batch["input_ids"], steps, chunk))
+            outs = list(ttt_unroll(draft, fused, batch["input_ids"], steps, chunk, kernel))
         else:
             cache, hidden, outs = cache_cls(), fused, []
             for k in range(steps):
@@ -286,6 +336,8 @@ def test_ttt_config_validation() -> None:
         TTTConfig(ttt_steps=0)
     with pytest.raises(ValueError, match="step_decay"):
         TTTConfig(step_decay=1.5)
+    with pytest.raises(ConfigError, match="ttt.attention must be one of auto, flash, blocks"):
+        TTTConfig(attention="dense")
 
 
 def test_draft_overfits_a_tiny_verifier_cache() -> None:

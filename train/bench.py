@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 import torch
 
+from fledge.core.compile import compile_failed
 from fledge.core.dist import DistInfo, pick_device
 from fledge.core.errors import ConfigError
 from fledge.data.cache import CacheConfig
@@ -83,6 +84,12 @@ class TrainBenchConfig:
     profile: bool = False
     """Also profile one training step per dtype (torch.profiler) and print the ops that took the most time."""
     profile_rows: int = 5
+    compile: bool | None = None
+    """``train.compile``: None settles it as training does (on for a head of >= ``COMPILE_MIN_HEAD`` weights)."""
+    attention: str = "auto"
+    """``ttt.attention`` (``auto``, ``flash``, ``blocks``)."""
+    loss_chunk: int = 1024
+    """``ttt.loss_chunk``."""
     skip_slow_dtypes: bool = True
     """Skip the training measurement of a dtype whose matmul peak is under half of the best one (on AVX2 CPUs
     without native bf16, a bf16 training step of this draft ran 30x slower than fp32 at 128 tokens: a
@@ -223,16 +230,16 @@ def bench_dtype(
     gen = torch.Generator().manual_seed(cfg.seed)
     draft = Eagle3Draft(config, seed=cfg.seed)
     head = synthetic_head(config, gen)
-    module = TTTModule(draft, head, TTTConfig(ttt_steps=cfg.ttt_steps))
     total = cfg.warmup + cfg.steps
-    engine = TorchEngine(
-        module, TrainConfig(max_steps=total, dtype=dtype, warmup_steps=0), EngineConfig(), DistInfo(), device, total,
-    )
+    train = TrainConfig(max_steps=total, dtype=dtype, warmup_steps=0, compile=cfg.compile)
+    ttt = TTTConfig(ttt_steps=cfg.ttt_steps, attention=cfg.attention, loss_chunk=cfg.loss_chunk)
+    module = TTTModule(draft, head, ttt, train.compiles(config.draft_vocab_size, config.hidden_size))
+    engine = TorchEngine(module, train, EngineConfig(), DistInfo(), device, total)
     batch = synthetic_batch(cfg, gen)
     if capture is not None:
         batch = capture(batch["input_ids"])
     batch = {k: v.to(device) for k, v in batch.items()}
-    times, capture_times, counted0 = [], [], 0.0
+    times, capture_times, counted0, first_s = [], [], 0.0, 0.0
     for i in range(total):
         synchronize(device)
         t = time.perf_counter()
@@ -247,6 +254,8 @@ def bench_dtype(
         synchronize(device)
         if i >= cfg.warmup:
             times.append(time.perf_counter() - t)
+        elif i == 0:
+            first_s = time.perf_counter() - t
         counted0 = float(metrics["tokens"])
     step_time = sorted(times)[len(times) // 2]
     top_ops = profile_step(engine, batch, cfg.profile_rows) if cfg.profile else None
@@ -263,6 +272,8 @@ def bench_dtype(
         "loss": float(loss.detach()),
         "top_ops": top_ops,
         "capture_s": sorted(capture_times)[len(capture_times) // 2] if capture_times else 0.0,
+        "compiled": module.compiled and compile_failed() is None,
+        "first_step_s": first_s,
     }
 
 
@@ -352,11 +363,14 @@ def run(cfg: TrainBenchConfig) -> dict[str, Any]:
     )
     flops = train_step_flops(cfg.draft_config(), c.batch_size, c.seq_len, c.ttt_steps, counted_positions(c))
     print("model FLOPs per step: " + ", ".join(f"{k} {v / 1e9:.1f}G" for k, v in flops.items()))
-    print(f"{'dtype':<6} {'step s':>8} {'tokens/s':>10} {'TFLOP/s':>9} {'peak TFLOP/s':>13} {'MFU':>7}")
+    print(f"ttt.attention={c.attention}, ttt.loss_chunk={c.loss_chunk}")
+    print(f"{'dtype':<6} {'compiled':>8} {'1st step s':>10} {'step s':>8} {'tokens/s':>10} {'TFLOP/s':>9} "
+          f"{'peak TFLOP/s':>13} {'MFU':>7}")
     for r in results:
         print(
-            f"{r['dtype']:<6} {r['step_s']:>8.2f} {r['tokens_per_s']:>10.1f} {r['model_tflops_per_s']:>9.3f} "
-            f"{r['peak_tflops_per_s']:>13.3f} {100 * r['mfu']:>6.1f}%"
+            f"{r['dtype']:<6} {'yes' if r['compiled'] else 'no':>8} {r['first_step_s']:>10.2f} {r['step_s']:>8.2f} "
+            f"{r['tokens_per_s']:>10.1f} {r['model_tflops_per_s']:>9.3f} {r['peak_tflops_per_s']:>13.3f} "
+            f"{100 * r['mfu']:>6.1f}%"
         )
     for r in results:
         if r["top_ops"]:

@@ -16,6 +16,9 @@ from fledge.core.errors import ConfigError
 DTYPES = ("auto", "fp32", "bf16")
 HEAD_INITS = ("random", "verifier", "lens")
 OPTIMIZERS = ("adamw", "muon")
+COMPILE_MIN_HEAD = 1 << 20
+"""``train.compile=null`` compiles drafts whose head has at least this many weights (the default verifier's draft
+over 4,096 tokens has 2.4 M; the tests' tiny drafts a few thousand)."""
 
 
 @dataclass
@@ -80,6 +83,12 @@ class TrainConfig:
     (``train.engine.choose_train_dtype``) and recorded in the resolved config. Neither is fast everywhere: on an
     AVX2-only CPU a bf16 product ran 6x slower than fp32, on one with AVX512-BF16 4x faster, on GPUs bf16 wins.
     fp32 keeps resume and engine-equivalence checks exact across machines."""
+    compile: bool | None = None
+    """``torch.compile`` the element-wise work around the step's matrix products: the fused loss's and the teacher's
+    per-chunk terms (``core/compile.py``), one or two loops over [positions, vocabulary] instead of a dozen passes.
+    None (auto): on when the draft's head has at least ``COMPILE_MIN_HEAD`` weights (every real draft; not the tests'
+    tiny ones, where compiling costs more than it saves). A machine where the compiler cannot run trains eagerly,
+    after one warning that says why. Measured: docs/design.md, "Training at the hardware's peak"."""
     seed: int = 0
     """Seeds the draft's initialisation, the data order (bucketing and shuffling per epoch) and the RNGs."""
 
@@ -115,6 +124,12 @@ class TrainConfig:
                 "train.micro_batch_size and train.grad_accum must be >= 1, train.max_tokens >= 0 "
                 f"(got {self.micro_batch_size}, {self.grad_accum}, {self.max_tokens})"
             )
+
+    def compiles(self, draft_vocab_size: int, hidden_size: int) -> bool:
+        """``compile`` settled for a draft with this head."""
+        if self.compile is not None:
+            return self.compile
+        return draft_vocab_size * hidden_size >= COMPILE_MIN_HEAD
 
     def warmup(self, total_steps: int) -> int:
         return self.warmup_steps if self.warmup_steps is not None else int(self.warmup_ratio * total_steps)

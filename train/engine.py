@@ -75,9 +75,11 @@ class TTTModule(nn.Module):
     """The draft and the frozen verifier head as one module, so that every training forward passes through
     DDP's / DeepSpeed's own ``forward`` (DDP prepares its gradient all-reduce there, ZeRO-3 its parameter gathers)."""
 
-    def __init__(self, draft: nn.Module, verifier_head: torch.Tensor, ttt: TTTConfig) -> None:
+    def __init__(self, draft: nn.Module, verifier_head: torch.Tensor, ttt: TTTConfig, compiled: bool = False) -> None:
         super().__init__()
         self.draft = draft
+        self.compiled = compiled
+        """``train.compile``: the loss's per-chunk terms through ``torch.compile`` (``models/fused_ce.py``)."""
         # A plain attribute, neither parameter nor buffer: DDP would broadcast it and ZeRO-3 partition it, and
         # checkpoints would store a copy of the verifier's head. Split at the draft vocabulary (installed by now and
         # fixed from here on) into the parts the teacher reads; the caller's head can then be let go.
@@ -95,7 +97,7 @@ class TTTModule(nn.Module):
             on = torch.is_autocast_enabled(device.type)
             dtype = torch.get_autocast_dtype(device.type) if on else self.draft.fc.weight.dtype
             self.compute_dtype = str(dtype).removeprefix("torch.")
-        return ttt_forward(self.draft, batch, self.teacher, self.ttt)
+        return ttt_forward(self.draft, batch, self.teacher, self.ttt, self.compiled)
 
 
 DTYPE_NAMES = {"bf16": "bfloat16", "fp32": "float32"}

@@ -228,7 +228,8 @@ def train(cfg: TrainJobConfig, info: DistInfo, device: torch.device) -> TrainRes
     # dtype=auto is settled here, once, by timing the draft's widest product (its head) on this machine.
     head_shape = (512, draft.config.hidden_size, draft.config.draft_vocab_size)
     train_cfg = dataclasses.replace(cfg.train, dtype=choose_train_dtype(cfg.train.dtype, device, head_shape))
-    module = TTTModule(draft, verifier_head, cfg.ttt)
+    compiled = train_cfg.compiles(draft.config.draft_vocab_size, draft.config.hidden_size)
+    module = TTTModule(draft, verifier_head, cfg.ttt, compiled)
     del verifier_head  # the module keeps the teacher's split of it
     engine = build_engine(module, train_cfg, cfg.engine, info, device, total_steps)
     eval_set = sampler.eval_batches(
@@ -239,6 +240,7 @@ def train(cfg: TrainJobConfig, info: DistInfo, device: torch.device) -> TrainRes
         eval_set = eval_set[: cfg.eval.max_batches]
     resolved = resolved_config(cfg, reader, info.world_size, runtime_binding(engine, train_cfg, device))
     resolved["train"]["dtype"] = train_cfg.dtype  # what ran, not "auto"
+    resolved["train"]["compile"] = compiled
     meta = draft_meta(reader, cfg)
 
     # ---- resume from the latest complete checkpoint

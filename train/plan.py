@@ -8,9 +8,10 @@ Every term is derived from the code that allocates it, and tests/test_plan.py ho
 
   * the loss: the teacher's probabilities gathered at the counted positions and the log-softmax of the draft's
     logits, both fp32 over the draft vocabulary (8·n·V_draft bytes; n = counted positions);
-  * the attention: ``ttt_attention`` materialises the [B, heads, T, T+k] probabilities (fp32, plus a bf16 copy
-    under autocast): 4-6·B·heads·T² bytes, which overtakes the logits above T ≈ 4·V_draft / (3·heads) tokens
-    (1,300 at 8B) — at the presets' 4096 tokens it is the largest term;
+  * the attention (``models/ttt_attention.py``): through the flash kernel (``ttt.attention=auto`` on CPUs and CUDA
+    GPUs) q, K, V, the output and two float32 log-sum-exps per query: O(T), no [T, T] tensor. Through the explicit
+    scores (``blocks``) the [B, heads, T, T+k] probabilities (fp32, plus a bf16 copy under autocast):
+    4-6·B·heads·T² bytes, which at 8B shapes is the largest term from ~1,300 tokens on (21 GiB of 31 at 4,096);
   * the MLP keeps gate, SiLU, up and their product ([N, I] each); the attention keeps q (and its copy for the
     batched product), the grouped K and V expanded to every query head, the o_proj input; the norms keep their
     inputs and normalised outputs in fp32 (the draft casts its hidden state to its fp32 weights' dtype);
@@ -76,6 +77,9 @@ class JobShape:
     """Bytes per verifier weight when it runs beside training (online): bf16."""
     loss_chunk: int = 1024
     """Positions per chunk of the fused head and loss (``ttt.loss_chunk``)."""
+    attention: str = "flash"
+    """How the TTT attention runs (``ttt.attention``): ``flash`` (what ``auto`` picks on CPUs and CUDA GPUs) or
+    ``blocks`` (the explicit scores, whole: the blocked variant of long sequences is not modelled)."""
 
     @property
     def tokens(self) -> int:
@@ -118,6 +122,7 @@ def ttt_saved_bytes(job: JobShape) -> dict[str, float]:
     group = heads // kv_heads
     q_copy = b > 1 and heads > 1
     kv_copy = (group > 1 and (kv_heads > 1 or b > 1)) or (group == 1 and b > 1 and kv_heads > 1)
+    flash = job.attention == "flash"
     terms = dict.fromkeys(
         ("loss: fused head's gradients (input and weight)", "attention probabilities [T, T+k]",
          "mlp", "attention q/k/v/o", "norms and hidden states (fp32)", "bf16 copies of weights and inputs", "other"),
@@ -128,21 +133,30 @@ def ttt_saved_bytes(job: JobShape) -> dict[str, float]:
     terms["loss: fused head's gradients (input and weight)"] = 4 * vd * h
     for k, n in enumerate(job.counted()):
         terms["loss: fused head's gradients (input and weight)"] += 4 * n * h
-        terms["attention probabilities [T, T+k]"] += b * heads * t * (t + k) * (6 if bf16 else 4)
         # gate, SiLU(gate), up, SiLU(gate)*up; the MLP's input (fp32, or a bf16 cast for each of gate and up)
         terms["mlp"] += 4 * n_tok * i_size * s + (2 * n_tok * h * 2 if bf16 else 4 * n_tok * h)
-        # o_proj's input; q as the batched product reads it (a copy when several sequences' heads must be
-        # folded into one batch dimension), from step 1 also q itself for the diagonal terms; K and V expanded to
-        # every query head for the batched products (copies, unless the expansion folds into a view), from step 1
-        # also this step's own K and V. q/k/v read cat(embedding, hidden): one fp32 tensor, or three bf16 casts
-        attn = 2 * n_tok * q * s + (n_tok * q * s if k and q_copy else 0) + (2 * n_tok * kv * s if k else 0)
-        attn += 2 * n_tok * q * s if kv_copy else (2 * n_tok * kv * s if k == 0 else 0)
-        terms["attention q/k/v/o"] += attn + (3 * 2 * n_tok * h * 2 if bf16 else 2 * n_tok * h * 4)
+        # q/k/v read cat(embedding, hidden): one fp32 tensor, or three bf16 casts
+        qkv_input = 3 * 2 * n_tok * h * 2 if bf16 else 2 * n_tok * h * 4
+        if flash:
+            # models/ttt_attention.py TTTFlashAttention: q, this step's K and V (earlier steps' are already kept),
+            # the output (laid out [B, T, H, d] by the kernel, so o_proj's input is a view of it, not a copy), and
+            # float32 log-sum-exps (the causal part's, and from step 1 on the merged one): no [T, T] tensor
+            terms["attention probabilities [T, T+k]"] += b * heads * t * 4 * (2 if k else 1)
+            terms["attention q/k/v/o"] += 2 * n_tok * q * s + 2 * n_tok * kv * s + qkv_input
+        else:
+            terms["attention probabilities [T, T+k]"] += b * heads * t * (t + k) * (6 if bf16 else 4)
+            # o_proj's input; q as the batched product reads it (a copy when several sequences' heads must be
+            # folded into one batch dimension), from step 1 also q itself for the diagonal terms; K and V expanded
+            # to every query head for the batched products (copies, unless the expansion folds into a view), from
+            # step 1 also this step's own K and V
+            attn = 2 * n_tok * q * s + (n_tok * q * s if k and q_copy else 0) + (2 * n_tok * kv * s if k else 0)
+            attn += 2 * n_tok * q * s if kv_copy else (2 * n_tok * kv * s if k == 0 else 0)
+            terms["attention q/k/v/o"] += attn + qkv_input
         # three normalised outputs and two inputs in the layer; at the head the gathered hidden states and their
         # normalised form (in fp32, or a bf16 gather, its fp32 cast and a bf16 normalised form)
         terms["norms and hidden states (fp32)"] += 5 * n_tok * h * 4 + n * h * (4 + 4)
-        # RoPE tables, the causal mask, gathered indices, norm scales, loss weights
-        terms["other"] += 2 * t * c.head_dim * s + t * t + 16 * n + 4 * (2 * n_tok + n) + 8
+        # RoPE tables, gathered indices, norm scales, loss weights; the explicit scores' causal mask and scale
+        terms["other"] += 2 * t * c.head_dim * s + 16 * n + 4 * (2 * n_tok + n) + (0 if flash else t * t + 8)
     if bf16:
         p = draft_params(c)
         # fc's input needs no gradient: its weight is not kept; the fused head casts its weight per call, keeping none
@@ -227,15 +241,23 @@ def peak_memory(
     n_counted = sum(counted)
     forward = (4 * n_tok * c.draft_vocab_size + n_tok + 8 * n_tok) + 2 * 4 * n_counted * c.hidden_size
     chunk = min(job.loss_chunk, n_counted) * c.draft_vocab_size
-    # (under autocast the chunk's weight gradient, bf16 then raised to fp32, can outweigh one logits tensor)
-    forward += max(12 * chunk, 8 * chunk + 6 * p["lm_head"]) if job.dtype == "bf16" else 12 * chunk
+    # (the eager terms: fp32 logits, teacher rows and log-probabilities; under autocast the bf16 logits too), and the
+    # head transposed for the logits' product (in the compute dtype)
+    forward += 14 * chunk + 2 * p["lm_head"] if job.dtype == "bf16" else 12 * chunk + 4 * p["lm_head"]
     forward += 2 * n_tok * kv * s + 4 * n_tok * c.hidden_size
     if job.dtype == "bf16":
         forward += 2 * n_tok * c.hidden_size + 2 * p["fc"] + 2 * p["lm_head"]
     # early backward: the last step's loss and MLP are freed, every weight but fc has its gradient, and the
-    # attention backward holds two [B, heads, T, T+k] fp32 temporaries
+    # attention backward holds its temporaries: through the flash kernel, float32 and compute-dtype copies of the
+    # incoming gradient, the gradients of q, K and V, and the diagonal terms' float32 stacks (O(T)); through the
+    # explicit scores two [B, heads, T, T+k] fp32 tensors
     last_step = 4 * n_tok * c.intermediate_size * s
-    backward = -last_step + 4 * (trainable - p["fc"]) + 2 * 4 * job.micro_batch * heads * t * (t + last)
+    q_width = c.num_attention_heads * c.head_dim
+    if job.attention == "flash":
+        attention_backward = n_tok * q_width * (16 + 2 * s) + n_tok * kv * (2 * s + 16 * last)
+    else:
+        attention_backward = 2 * 4 * job.micro_batch * heads * t * (t + last)
+    backward = -last_step + 4 * (trainable - p["fc"]) + attention_backward
     # optimizer step: gradients, the engines' step buffers, the optimizer's temporaries (foreach: one fp32 tensor
     # per parameter it updates; one at a time: the largest)
     largest_param = max(p["lm_head"], c.hidden_size * c.intermediate_size, p["fc"])

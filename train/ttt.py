@@ -12,7 +12,7 @@ has not computed yet, and the step reads h^{k-1}_t with the ground-truth token x
 are the official code's (``position_ids + lck``, lck = number of earlier steps) and exactly what inference gives
 the k-th chained draft token after a prefix ending at t.
 
-Attention at step k (``models.draft.ttt_attention``): query t sees the step-0 keys 0..t and key t of steps 1..k,
+Attention at step k (``models.ttt_attention``): query t sees the step-0 keys 0..t and key t of steps 1..k,
 which is what the same query sees at inference through the KV cache (tests/test_ttt.py checks this against a
 token-by-token cached run). Some versions of the official EAGLE-3 training code, and SpecForge, additionally hide
 step-0 keys t-k+1..t at step k (a mask "shift"); no inference engine does, it has been questioned upstream
@@ -37,8 +37,10 @@ from typing import Iterator
 
 import torch
 
+from fledge.core.compile import Compiled
 from fledge.core.errors import ConfigError
-from fledge.models.draft import Eagle3Draft, TTTCache
+from fledge.models.draft import Eagle3Draft
+from fledge.models.ttt_attention import ATTENTION_KERNELS, TTTCache
 
 
 @dataclass
@@ -52,16 +54,23 @@ class TTTConfig:
     loss_chunk: int = 1024
     """Positions per chunk of the fused head and loss (``models.fused_ce``): [chunk, V_draft] logits exist for one
     chunk at a time and none is kept for the backward."""
+    attention: str = "auto"
+    """How the unroll's attention runs (``models/ttt_attention.py``): ``flash`` (a flash-attention kernel over the
+    causal part, the diagonal keys merged by log-sum-exp: O(T) memory, no [T, T] tensor), ``blocks`` (explicit
+    scores, see ``attention_chunk``), or ``auto``: ``flash`` where the device's kernel exists and passes its check
+    against the explicit scores, else ``blocks``. Same numbers either way."""
     attention_chunk: int = 2048
-    """Sequences longer than this run the TTT attention in blocks of this many query rows, each recomputed in the
-    backward rather than kept (``models.draft.ttt_attention``); 0 never does. Same numbers, less memory, a second
-    forward of the attention."""
+    """With ``blocks``: sequences longer than this run the attention in blocks of this many query rows, each
+    recomputed in the backward rather than kept; 0 never does. Same numbers, less memory, a second forward of the
+    attention."""
 
     def __post_init__(self) -> None:
         if self.ttt_steps < 1:
             raise ConfigError(f"ttt.ttt_steps must be >= 1, got {self.ttt_steps}")
         if not 0.0 < self.step_decay <= 1.0:
             raise ConfigError(f"ttt.step_decay must lie in (0, 1], got {self.step_decay}")
+        if self.attention not in ATTENTION_KERNELS:
+            raise ConfigError(f"ttt.attention must be one of {', '.join(ATTENTION_KERNELS)}, got {self.attention!r}")
         if self.attention_chunk < 0:
             raise ConfigError(f"ttt.attention_chunk must be >= 0 (0: off), got {self.attention_chunk}")
         if self.loss_chunk < 1:
@@ -121,8 +130,12 @@ class TeacherHead:
         return self._fast[dtype]
 
     @torch.no_grad()
-    def targets(self, final_hidden: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """final_hidden [B, T, Ht] -> (probs [B, T, V_draft] float32, in_vocab bool [B, T]); see ``teacher_targets``."""
+    def targets(
+        self, final_hidden: torch.Tensor, chunk: int, compiled: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """final_hidden [B, T, Ht] -> (probs [B, T, V_draft] float32, in_vocab bool [B, T], top [B, T]: the draft
+        id of each row's largest probability, first on ties); see ``teacher_targets``. ``compiled``: the per-chunk
+        reductions through ``torch.compile`` (``train.compile``)."""
         b, t, ht = final_hidden.shape
         if self.inside.shape[1] != ht:
             raise ValueError(f"verifier_head has width {self.inside.shape[1]}, final hidden states {ht}")
@@ -134,21 +147,20 @@ class TeacherHead:
         unit = torch.finfo(fast_dtype).eps / 2 if fast_dtype != torch.float32 else 0.0
         flat = final_hidden.reshape(b * t, ht)
         probs = torch.empty(b * t, self.columns.numel(), dtype=torch.float32, device=device)
+        top = torch.empty(b * t, dtype=torch.long, device=device)
         in_vocab = torch.ones(b * t, dtype=torch.bool, device=device)
         with torch.autocast(device_type=device.type, enabled=False):
             for start in range(0, b * t, chunk):
-                x = flat[start : start + chunk].float()
+                rows = slice(start, start + chunk)
+                x = flat[rows].float()
                 logits = x @ self.inside.T  # [chunk, V_draft] float32
-                probs[start : start + chunk] = logits.softmax(-1)
-                if not self.rest.numel():
+                fast = x.to(fast_dtype) @ outside.T if self.rest.numel() else None
+                probs[rows], top[rows], decided_in, decided_out = _teacher_terms(
+                    logits, fast, x.norm(dim=-1), wmax, unit, compiled=compiled
+                )
+                if fast is None:
                     continue
-                best_in = logits.max(-1).values
-                best_out = (x.to(fast_dtype) @ outside.T).max(-1).values.float()
-                # |error| of each fast outside logit <= 8u |x| max|w| + 2u |logit| (u: the dtype's roundoff; 0 in fp32).
-                margin = unit * (FAST_MARGIN_ULPS * x.norm(dim=-1) * wmax + 2.0 * best_out.abs())
-                gap = best_in - best_out
-                decided_in, decided_out = gap > margin, gap < -margin
-                in_vocab[start : start + chunk] = decided_in
+                in_vocab[rows] = decided_in
                 unsure = (~decided_in & ~decided_out).nonzero().squeeze(1)
                 if unsure.numel():
                     # Exactly the float32 rule, ties to the lowest verifier id as argmax breaks them.
@@ -158,7 +170,29 @@ class TeacherHead:
                     full[:, self.rest] = x[unsure] @ exact.T
                     in_vocab[start + unsure] = self.t2d[full.argmax(-1)]
                     self.fallback_rows += int(unsure.numel()) if fast_dtype != torch.float32 else 0
-        return probs.view(b, t, -1), in_vocab.view(b, t)
+        return probs.view(b, t, -1), in_vocab.view(b, t), top.view(b, t)
+
+
+def teacher_chunk_terms(
+    logits: torch.Tensor, fast: torch.Tensor | None, x_norm: torch.Tensor, wmax: float, unit: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One chunk of ``TeacherHead.targets``: the softmax over the draft-vocabulary logits (float32), its top-1, and
+    whether the fast pass's best outside logit (``fast``, None when the draft vocabulary is the whole one) is surely
+    below (decided in) or surely above (decided out) the best inside one. Written for ``torch.compile``, which makes
+    it one pass over each of the two logit blocks."""
+    probs = logits.softmax(-1)
+    top = probs.max(-1).indices
+    if fast is None:
+        return probs, top, None, None
+    best_in = logits.amax(-1)
+    best_out = fast.amax(-1).float()
+    # |error| of each fast outside logit <= 8u |x| max|w| + 2u |logit| (u: the dtype's roundoff; 0 in fp32).
+    margin = unit * (FAST_MARGIN_ULPS * x_norm * wmax + 2.0 * best_out.abs())
+    gap = best_in - best_out
+    return probs, top, gap > margin, gap < -margin
+
+
+_teacher_terms = Compiled(teacher_chunk_terms)
 
 
 def teacher_targets(
@@ -175,7 +209,8 @@ def teacher_targets(
     teacher = verifier_head if isinstance(verifier_head, TeacherHead) else TeacherHead(verifier_head, t2d)
     if teacher.t2d.shape != t2d.shape:
         raise ValueError(f"verifier_head has {teacher.t2d.shape[0]} rows, t2d {t2d.shape[0]}")
-    return teacher.to(final_hidden.device).targets(final_hidden, chunk)
+    probs, in_vocab, _ = teacher.to(final_hidden.device).targets(final_hidden, chunk)
+    return probs, in_vocab
 
 
 def shift_left(x: torch.Tensor, n: int, fill: float | int | bool = 0) -> torch.Tensor:
@@ -187,15 +222,16 @@ def shift_left(x: torch.Tensor, n: int, fill: float | int | bool = 0) -> torch.T
 
 
 def ttt_unroll(
-    draft: Eagle3Draft, fused: torch.Tensor, input_ids: torch.Tensor, steps: int, attention_chunk: int = 0
+    draft: Eagle3Draft, fused: torch.Tensor, input_ids: torch.Tensor, steps: int, attention_chunk: int = 0,
+    attention: str = "auto",
 ) -> Iterator[torch.Tensor]:
     """Yield the draft's output hidden states [B, T, H] of steps 0 .. steps-1 (alignment in the module docstring).
 
     fused: fc(aux) [B, T, H]; input_ids [B, T] (the sequence x). Gradients flow through the whole chain, as in
-    the official code: a step's loss also trains the earlier steps that produced its input. ``attention_chunk``:
-    ``TTTConfig.attention_chunk``.
+    the official code: a step's loss also trains the earlier steps that produced its input. ``attention_chunk``,
+    ``attention``: ``TTTConfig``'s.
     """
-    cache = TTTCache(attention_chunk)
+    cache = TTTCache(attention_chunk, attention)
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)
     hidden = fused
     for k in range(steps):
@@ -206,7 +242,8 @@ def ttt_unroll(
 
 
 def ttt_forward(
-    draft: Eagle3Draft, batch: dict[str, torch.Tensor], verifier_head: torch.Tensor | TeacherHead, cfg: TTTConfig
+    draft: Eagle3Draft, batch: dict[str, torch.Tensor], verifier_head: torch.Tensor | TeacherHead, cfg: TTTConfig,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Weighted TTT loss of one batch, with per-step losses and top-1 agreement for logging.
 
@@ -219,19 +256,23 @@ def ttt_forward(
 
     The counted positions of all steps go through the head and the loss in one fused, chunked call
     (``models.fused_ce``): no [positions, V_draft] tensor outlives its chunk. Row weights decay**k / n_k make the
-    weighted sum exactly sum_k decay**k * ploss_k.
+    weighted sum exactly sum_k decay**k * ploss_k. ``compiled`` (``train.compile``): the loss's per-chunk terms
+    through ``torch.compile``.
     """
     input_ids = batch["input_ids"]
     b, t = input_ids.shape
     for name in ("loss_mask", "attention_mask", "aux", "final"):
         if tuple(batch[name].shape[:2]) != (b, t):
             raise ValueError(f"batch[{name!r}] {tuple(batch[name].shape)} does not match input_ids {(b, t)}")
-    teacher, in_vocab = teacher_targets(batch["final"], verifier_head, draft.t2d, cfg.teacher_chunk)
+    head = verifier_head if isinstance(verifier_head, TeacherHead) else TeacherHead(verifier_head, draft.t2d)
+    if head.t2d.shape != draft.t2d.shape:
+        raise ValueError(f"verifier_head has {head.t2d.shape[0]} rows, the draft's t2d {draft.t2d.shape[0]}")
+    teacher, in_vocab, teacher_top = head.to(input_ids.device).targets(batch["final"], cfg.teacher_chunk, compiled)
     trained = batch["loss_mask"].bool() & batch["attention_mask"].bool()
 
     fused = draft.fuse(batch["aux"])
     states, index, weights, counts = [], [], [], []
-    for k, hidden in enumerate(ttt_unroll(draft, fused, input_ids, cfg.ttt_steps, cfg.attention_chunk)):
+    for k, hidden in enumerate(ttt_unroll(draft, fused, input_ids, cfg.ttt_steps, cfg.attention_chunk, cfg.attention)):
         counted = shift_left(trained, k + 2, False) & shift_left(in_vocab, k + 1, False)
         rows, cols = counted.nonzero(as_tuple=True)
         n = rows.numel()
@@ -248,14 +289,14 @@ def ttt_forward(
         states.append(hidden[:1, 0])
         index.append(torch.zeros(1, dtype=torch.long, device=input_ids.device))
         weights.append(torch.zeros(1, dtype=torch.float64, device=input_ids.device))
-    flat_teacher = teacher.view(b * t, -1)
     total, ce, correct = draft.lm_head(
         draft.norm(torch.cat(states)),
-        teacher=flat_teacher,
-        teacher_top=flat_teacher.max(-1).indices,
+        teacher=teacher.view(b * t, -1),
+        teacher_top=teacher_top.view(-1),
         index=torch.cat(index),
         row_weight=torch.cat(weights),
         chunk=cfg.loss_chunk,
+        compiled=compiled,
     )
     zero = torch.zeros((), dtype=torch.float32, device=input_ids.device)
     metrics: dict[str, torch.Tensor] = {"tokens": zero + counts[0]}
