@@ -133,7 +133,8 @@ class TTTFlashAttention(torch.autograd.Function):
             lse = torch.logaddexp(lse0, scores.logsumexp(-1).reshape(b, h, t))
             share = (lse0 - lse).exp()
             probs = (scores - lse.view(b, hkv, h // hkv, t, 1)).exp()
-            merged = share[..., None] * out.to(acc) + torch.einsum("bkgtn,bktnd->bkgtd", probs, diag_v).reshape(b, h, t, d)
+            diagonal = torch.einsum("bkgtn,bktnd->bkgtd", probs, diag_v).reshape(b, h, t, d)
+            merged = share[..., None] * out.to(acc) + diagonal
             out = merged.to(q.dtype)
         ctx.save_for_backward(q, *keys, *values, out, lse0, lse, *extra)
         ctx.steps, ctx.scale = n, scale

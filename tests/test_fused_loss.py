@@ -183,6 +183,30 @@ def test_fast_teacher_decides_exactly_as_float32_on_near_ties() -> None:
     assert teacher._fast[torch.bfloat16][0].dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_teacher_decides_as_float32_at_the_default_verifiers_scale(compiled: bool) -> None:
+    """States and head at the default verifier's scale (|x| ~ 45, column norms 2-7.5), where the fast pass leaves
+    many rows undecided and the few outside columns that could still win decide them: exactly the top-1 of a float32
+    product over the whole vocabulary, eager (one bound per row) and compiled (one per column)."""
+    g = torch.Generator().manual_seed(21)
+    vocab, width, rows = 3000, 64, 400
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[torch.randperm(vocab, generator=g)[:1200]] = True
+    head = torch.randn(vocab, width, generator=g)
+    head *= (2.0 + 5.5 * torch.rand(vocab, 1, generator=g) ** 4) / head.norm(dim=1, keepdim=True)
+    final = torch.randn(1, rows, width, generator=g)
+    final *= 45.0 / final.norm(dim=-1, keepdim=True)
+    teacher = TeacherHead(head, t2d)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        probs, in_vocab, top = teacher.targets(final, chunk=128, compiled=compiled)
+    full = final[0] @ head.T
+    assert torch.equal(in_vocab[0], t2d[full.argmax(-1)])
+    assert 0 < in_vocab.float().mean() < 1
+    assert teacher.fallback_rows >= rows // 10, "the test must reach the exact path"
+    torch.testing.assert_close(probs[0], full[:, t2d].softmax(-1), rtol=1e-5, atol=1e-7)
+    assert torch.equal(top[0], probs[0].argmax(-1))
+
+
 def test_teacher_with_a_full_draft_vocabulary_needs_no_outside_pass() -> None:
     g = torch.Generator().manual_seed(0)
     head, final = torch.randn(10, 4, generator=g), torch.randn(1, 5, 4, generator=g)

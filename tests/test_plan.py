@@ -171,8 +171,9 @@ def test_zero_stages_shard_the_right_terms():
     for s in range(4):
         t = mem[s].terms
         # never sharded: the teacher head, the batch, the activations (no stage shards them)
-        # (fp32, and under bf16 autocast a bf16 copy of the columns outside the draft vocabulary)
-        teacher = 4 * c.vocab_size * c.target_hidden_size + 2 * (c.vocab_size - c.draft_vocab_size) * c.target_hidden_size
+        # (fp32, and under bf16 autocast a bf16 copy of the columns outside the draft vocabulary and their norms)
+        outside = c.vocab_size - c.draft_vocab_size
+        teacher = 4 * c.vocab_size * c.target_hidden_size + (2 * c.target_hidden_size + 4) * outside
         assert t["teacher_head"] == one[s].terms["teacher_head"] == teacher
         for moment in ("forward end", "backward"):  # what the step adds to the persistent terms there
             added = [m.moments[moment] - sum(m.terms[k] for k in PERSISTENT) for m in (mem[s], one[s])]

@@ -205,8 +205,9 @@ def peak_memory(
         "draft_weights": 4 * trainable / shard,
         "frozen_embedding": 4 * p["embedding"] / shard,
         # fp32 (train/ttt.py TeacherHead); under autocast also a bf16 copy of the columns outside the draft vocabulary
+        # and their norms (fp32)
         "teacher_head": 4 * c.vocab_size * c.target_hidden_size
-        + (2 * (c.vocab_size - c.draft_vocab_size) * c.target_hidden_size if job.dtype == "bf16" else 0),
+        + ((2 * c.target_hidden_size + 4) * (c.vocab_size - c.draft_vocab_size) if job.dtype == "bf16" else 0),
         "master_weights": 4 * trainable / world if stage >= 1 else 0.0,
         "optimizer_states": optimizer / optimizer_shard,
         # input_ids, loss_mask, attention_mask int64; aux and final states collated to fp32 (train/sampler.py)

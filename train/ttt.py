@@ -79,10 +79,14 @@ class TTTConfig:
             raise ConfigError(f"ttt.teacher_chunk must be >= 1, got {self.teacher_chunk}")
 
 
-FAST_MARGIN_ULPS = 8.0
-"""The out-of-vocabulary logits' error bound in ``TeacherHead``, in units of the low-precision dtype's roundoff times
-|x| * max|w|: rounding x and w costs 2, the output 1 more; 8 leaves room for reduced-precision reductions (cuBLAS
-may split a bf16 product's sum)."""
+FAST_MARGIN_ULPS = {"cpu": 3.0}
+"""The fast (low-precision) outside logits' error bound in ``TeacherHead``, in units of that dtype's roundoff u times
+|x| * |w_j| (the column's norm), by device type. Rounding x and w to the fast dtype costs (2u + u^2) |x| |w_j|; a CPU
+sums the products in float32 (AMX, AVX512-BF16 and the converting kernels alike), which adds K * 2^-24 of it (under
+0.01u at K = 8,192), so 3 leaves half again of room. Other devices (``FAST_MARGIN_DEFAULT``) may reduce in lower
+precision (cuBLAS can split a bf16 product's sum). The rounding of the result itself, u |r_j|, is bounded apart as
+2u |r_j|."""
+FAST_MARGIN_DEFAULT = 8.0
 
 
 class TeacherHead:
@@ -91,9 +95,15 @@ class TeacherHead:
     The teacher needs the verifier's logits in float32 only at the draft-vocabulary columns (their softmax is the
     target); of the other columns it needs only whether one of them beats the best draft column (the top-1 then lies
     outside the draft vocabulary and the position is not counted). Under autocast those columns go through one
-    product in the autocast dtype; a row whose best outside logit comes within that product's error bound of the
-    best inside one (``FAST_MARGIN_ULPS``) is recomputed in float32 over the whole vocabulary, so the decision is
-    exactly the float32 one. Without autocast everything stays float32, as before.
+    product in the autocast dtype, and each of its logits r_j comes with an error bound b_j = u (c |x| |w_j| +
+    2 |r_j|) (u the dtype's roundoff, |w_j| the column's norm, c = ``FAST_MARGIN_ULPS``: 3 on a CPU, 8 elsewhere).
+    A row is decided when every outside column is surely below the best inside logit (max r_j + b_j below it) or
+    one surely above (max r_j - b_j above it). For the other rows only the outside columns that could still win
+    (r_j + b_j reaching the best inside logit: about one of 45,000 on the default verifier) are recomputed in
+    float32, so the decision is exactly the float32 one at a small fraction of a float32 product over the whole
+    vocabulary, which every undecided row cost before (with |x| ~ 45 and a row-wide bound 8u |x| max|w_j|, 97 % of
+    the rows on the default verifier's states were undecided: the teacher took 1.6 s of each quickstart step).
+    Without autocast everything stays float32.
     """
 
     def __init__(self, head: torch.Tensor, t2d: torch.Tensor) -> None:
@@ -105,7 +115,7 @@ class TeacherHead:
         self.rest = (~t2d).nonzero().squeeze(1)
         self.inside = head[self.columns].float()
         self.outside = head[self.rest]
-        self._fast: dict[torch.dtype, tuple[torch.Tensor, float]] = {}
+        self._fast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         self.fallback_rows = 0
         """Rows recomputed in float32 because the fast pass could not decide them (for tests and benchmarks)."""
 
@@ -122,12 +132,45 @@ class TeacherHead:
         moved._fast, moved.fallback_rows = {}, 0
         return moved
 
-    def fast_outside(self, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
-        """The outside columns in ``dtype`` and the largest of their row norms (float32)."""
+    def fast_outside(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The outside columns in ``dtype`` and each one's norm times this device's ``FAST_MARGIN_ULPS`` (float32,
+        [V - V_draft]): the bound of a fast logit is u (that * |x| + 2 |r_j|)."""
         if dtype not in self._fast:
-            norm = float(self.outside.float().norm(dim=1).max()) if self.rest.numel() else 0.0
-            self._fast[dtype] = (self.outside.to(dtype), norm)
+            ulps = FAST_MARGIN_ULPS.get(self.outside.device.type, FAST_MARGIN_DEFAULT)
+            self._fast[dtype] = (self.outside.to(dtype), ulps * self.outside.float().norm(dim=1))
         return self._fast[dtype]
+
+    def exact_in_vocab(
+        self, x: torch.Tensor, logits: torch.Tensor, fast: torch.Tensor, x_norm: torch.Tensor, unit: float
+    ) -> torch.Tensor:
+        """Rows the fast pass left undecided: whether the float32 top-1 lies in the draft vocabulary, from the float32
+        logits of only the outside columns that could still beat the best inside one (ties go to the lower verifier
+        id, as argmax breaks them). x [n, Ht], logits [n, V_draft] (float32), fast [n, V - V_draft], x_norm [n].
+
+        A column j could win when r_j + u (c |x| |w_j| + 2 |r_j|) >= the best inside logit b. A threshold per row,
+        with the largest column norm, keeps a superset in one comparison over the row (r_j >= (b - cu |x| max|w|) /
+        (1 +- 2u), rounded down to the fast dtype); the exact condition is then checked on those (row, column) pairs
+        only, and the survivors' float32 logits are computed."""
+        n = x.shape[0]
+        best_in, first_in = logits.max(-1)
+        _, col_bound = self.fast_outside(fast.dtype)
+        reach = best_in - unit * x_norm * col_bound.max()
+        threshold = torch.minimum(reach / (1 + 2 * unit), reach / (1 - 2 * unit))
+        if fast.dtype != torch.float32:  # rounded down (a cast rounds to nearest, within 2^-9 relative for bf16)
+            threshold = (threshold - threshold.abs() * 2.0**-7 - 1e-30).to(fast.dtype)
+        row, col = (fast >= threshold[:, None]).nonzero(as_tuple=True)
+        r = fast[row, col].float()
+        keep = r + unit * (x_norm[row] * col_bound[col] + 2.0 * r.abs()) >= best_in[row]
+        row, col = row[keep], col[keep]
+        decision = torch.ones(n, dtype=torch.bool, device=x.device)
+        if not row.numel():
+            return decision
+        cols, slot = col.unique(return_inverse=True)  # sorted: the position in cols follows the verifier id
+        exact = torch.full((n, cols.numel()), float("-inf"), dtype=torch.float32, device=x.device)
+        exact[row, slot] = (x @ self.outside[cols].float().T)[row, slot]
+        best_out, first_out = exact.max(-1)
+        lower_id_inside = self.columns[first_in] < self.rest[cols[first_out]]
+        return (best_in > best_out) | ((best_in == best_out) & lower_id_inside)
 
     @torch.no_grad()
     def targets(
@@ -143,7 +186,7 @@ class TeacherHead:
         on = torch.is_autocast_enabled(device.type)
         fast_dtype = torch.get_autocast_dtype(device.type) if on else torch.float32
         fast_dtype = fast_dtype if fast_dtype.itemsize < 4 else torch.float32
-        outside, wmax = self.fast_outside(fast_dtype)
+        outside, col_bound = self.fast_outside(fast_dtype)
         unit = torch.finfo(fast_dtype).eps / 2 if fast_dtype != torch.float32 else 0.0
         flat = final_hidden.reshape(b * t, ht)
         probs = torch.empty(b * t, self.columns.numel(), dtype=torch.float32, device=device)
@@ -155,44 +198,58 @@ class TeacherHead:
                 x = flat[rows].float()
                 logits = x @ self.inside.T  # [chunk, V_draft] float32
                 fast = x.to(fast_dtype) @ outside.T if self.rest.numel() else None
+                x_norm = x.norm(dim=-1)
                 probs[rows], top[rows], decided_in, decided_out = _teacher_terms(
-                    logits, fast, x.norm(dim=-1), wmax, unit, compiled=compiled
+                    logits, fast, x_norm, col_bound, unit, compiled=compiled
                 )
                 if fast is None:
                     continue
                 in_vocab[rows] = decided_in
                 unsure = (~decided_in & ~decided_out).nonzero().squeeze(1)
                 if unsure.numel():
-                    # Exactly the float32 rule, ties to the lowest verifier id as argmax breaks them.
-                    full = torch.empty(unsure.numel(), self.t2d.shape[0], dtype=torch.float32, device=device)
-                    full[:, self.columns] = logits[unsure]
-                    exact = outside if fast_dtype == torch.float32 else self.outside.float()  # rare: transient
-                    full[:, self.rest] = x[unsure] @ exact.T
-                    in_vocab[start + unsure] = self.t2d[full.argmax(-1)]
+                    in_vocab[start + unsure] = self.exact_in_vocab(
+                        x[unsure], logits[unsure], fast[unsure], x_norm[unsure], unit
+                    )
                     self.fallback_rows += int(unsure.numel()) if fast_dtype != torch.float32 else 0
         return probs.view(b, t, -1), in_vocab.view(b, t), top.view(b, t)
 
 
 def teacher_chunk_terms(
-    logits: torch.Tensor, fast: torch.Tensor | None, x_norm: torch.Tensor, wmax: float, unit: float
+    logits: torch.Tensor, fast: torch.Tensor | None, x_norm: torch.Tensor, col_bound: torch.Tensor, unit: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """One chunk of ``TeacherHead.targets``: the softmax over the draft-vocabulary logits (float32), its top-1, and
-    whether the fast pass's best outside logit (``fast``, None when the draft vocabulary is the whole one) is surely
-    below (decided in) or surely above (decided out) the best inside one. Written for ``torch.compile``, which makes
-    it one pass over each of the two logit blocks."""
+    whether every fast outside logit (``fast``, None when the draft vocabulary is the whole one) is surely below the
+    best inside one (decided in) or one surely above it (decided out). Written for ``torch.compile``, which makes it
+    one pass over each of the two logit blocks."""
     probs = logits.softmax(-1)
     top = probs.max(-1).indices
     if fast is None:
         return probs, top, None, None
     best_in = logits.amax(-1)
-    best_out = fast.amax(-1).float()
-    # |error| of each fast outside logit <= 8u |x| max|w| + 2u |logit| (u: the dtype's roundoff; 0 in fp32).
-    margin = unit * (FAST_MARGIN_ULPS * x_norm * wmax + 2.0 * best_out.abs())
+    r = fast.float()
+    # |error| of each fast outside logit <= u (c |x| |w_j| + 2 |r_j|) (u: the dtype's roundoff; 0 in float32)
+    bound = unit * (x_norm[:, None] * col_bound[None, :] + 2.0 * r.abs())
+    return probs, top, (r + bound).amax(-1) < best_in, (r - bound).amax(-1) > best_in
+
+
+def _eager_teacher_terms(
+    logits: torch.Tensor, fast: torch.Tensor | None, x_norm: torch.Tensor, col_bound: torch.Tensor, unit: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``teacher_chunk_terms`` for eager execution: one bound per row, with the largest column norm, so that only
+    the fast logits' maximum is read (a per-column bound costs several passes over [chunk, V] without a compiler);
+    it decides fewer rows, and ``TeacherHead.exact_in_vocab`` decides the rest, the same way."""
+    probs = logits.softmax(-1)
+    top = probs.max(-1).indices
+    if fast is None:
+        return probs, top, None, None
+    best_in = logits.max(-1).values
+    best_out = fast.max(-1).values.float()
+    margin = unit * (x_norm * col_bound.max() + 2.0 * best_out.abs())
     gap = best_in - best_out
     return probs, top, gap > margin, gap < -margin
 
 
-_teacher_terms = Compiled(teacher_chunk_terms)
+_teacher_terms = Compiled(teacher_chunk_terms, eager=_eager_teacher_terms)
 
 
 def teacher_targets(
