@@ -21,8 +21,8 @@ RoPE, softmax, SiLU) is left out, matrix products count 2 FLOPs per multiply-add
 - the TTT attention counts the causal half of the step-0 scores (query t sees t+1 keys) plus one key per earlier
   step, for QK^T and for PV, also 3x;
 - ``lm_head`` runs only on the positions the loss counts, so it is counted on those;
-- the frozen teacher (the verifier's head over the full vocabulary, one pass per position, under no_grad)
-  counts 1x; the frozen embedding lookup counts 0.
+- the frozen teacher (the verifier's head over the full vocabulary, under no_grad, at each position a trained
+  token follows: every one but the last in the synthetic batch) counts 1x; the frozen embedding lookup counts 0.
 """
 
 from __future__ import annotations
@@ -149,7 +149,8 @@ def train_step_flops(
         "attention": 3 * fwd_attn,
         "mlp": 3 * ttt_steps * fwd_mlp,
         "lm_head": 3 * fwd_head,
-        "teacher_head (frozen, 1x)": 2 * tokens * c.target_hidden_size * c.vocab_size,
+        # every position whose next token exists (the teacher is computed only where a trained token follows)
+        "teacher_head (frozen, 1x)": 2 * batch * (seq - 1) * c.target_hidden_size * c.vocab_size,
     }
     if not causal:
         parts["loss dot products"] = sum(2 * n * c.draft_vocab_size for n in counted)

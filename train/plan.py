@@ -240,7 +240,9 @@ def peak_memory(
     # log-probabilities and teacher rows (fp32), the TTT cache's step-0 keys/values and the last hidden state; under
     # autocast also the bf16 fused state, fc weight and head weight
     n_counted = sum(counted)
-    forward = (4 * n_tok * c.draft_vocab_size + n_tok + 8 * n_tok) + 2 * 4 * n_counted * c.hidden_size
+    # (the teacher's rows: every position a trained token follows, all but each sequence's last)
+    teacher_rows = n_tok - job.micro_batch
+    forward = (4 * teacher_rows * c.draft_vocab_size + n_tok + 8 * n_tok) + 2 * 4 * n_counted * c.hidden_size
     chunk = min(job.loss_chunk, n_counted) * c.draft_vocab_size
     # (the eager terms: fp32 logits, teacher rows and log-probabilities; under autocast the bf16 logits too), and the
     # head transposed for the logits' product (in the compute dtype)

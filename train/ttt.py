@@ -165,7 +165,10 @@ class TeacherHead:
         decision = torch.ones(n, dtype=torch.bool, device=x.device)
         if not row.numel():
             return decision
-        cols, slot = col.unique(return_inverse=True)  # sorted: the position in cols follows the verifier id
+        used = torch.zeros(fast.shape[1], dtype=torch.bool, device=x.device)
+        used[col] = True
+        cols = used.nonzero().squeeze(1)  # ascending: the position in cols follows the verifier id
+        slot = (used.cumsum(0) - 1)[col]
         exact = torch.full((n, cols.numel()), float("-inf"), dtype=torch.float32, device=x.device)
         exact[row, slot] = (x @ self.outside[cols].float().T)[row, slot]
         best_out, first_out = exact.max(-1)
@@ -324,8 +327,21 @@ def ttt_forward(
     head = verifier_head if isinstance(verifier_head, TeacherHead) else TeacherHead(verifier_head, draft.t2d)
     if head.t2d.shape != draft.t2d.shape:
         raise ValueError(f"verifier_head has {head.t2d.shape[0]} rows, the draft's t2d {draft.t2d.shape[0]}")
-    teacher, in_vocab, teacher_top = head.to(input_ids.device).targets(batch["final"], cfg.teacher_chunk, compiled)
     trained = batch["loss_mask"].bool() & batch["attention_mask"].bool()
+    # The teacher at position p is read only where the token at p + 1 is trained (by step k at index p - k - 1):
+    # prompt tokens and padding need none. Its rows are computed there only, compactly; ``slot`` maps a position to
+    # its row.
+    needed = shift_left(trained, 1, False).view(-1).nonzero().squeeze(1)
+    if not needed.numel():
+        needed = needed.new_zeros(1)  # the head still runs once (below): give it a row to read
+    teacher, needed_in_vocab, teacher_top = head.to(input_ids.device).targets(
+        batch["final"].reshape(b * t, -1)[needed][None], cfg.teacher_chunk, compiled
+    )
+    in_vocab = torch.zeros(b * t, dtype=torch.bool, device=input_ids.device)
+    in_vocab[needed] = needed_in_vocab[0]
+    in_vocab = in_vocab.view(b, t)
+    slot = torch.zeros(b * t, dtype=torch.long, device=input_ids.device)
+    slot[needed] = torch.arange(needed.numel(), device=input_ids.device)
 
     fused = draft.fuse(batch["aux"])
     states, index, weights, counts = [], [], [], []
@@ -337,7 +353,7 @@ def ttt_forward(
         if n:
             # Only counted positions go through lm_head: it is the widest matrix product of the unroll.
             states.append(hidden[rows, cols])
-            index.append(rows * t + cols + k + 1)
+            index.append(slot[rows * t + cols + k + 1])
             weights.append(torch.full((n,), cfg.step_decay**k / n, dtype=torch.float64, device=input_ids.device))
     if not states:
         # Nothing counted anywhere, but every rank must run the same modules every step: skipping the head and norm
@@ -348,8 +364,8 @@ def ttt_forward(
         weights.append(torch.zeros(1, dtype=torch.float64, device=input_ids.device))
     total, ce, correct = draft.lm_head(
         draft.norm(torch.cat(states)),
-        teacher=teacher.view(b * t, -1),
-        teacher_top=teacher_top.view(-1),
+        teacher=teacher[0],
+        teacher_top=teacher_top[0],
         index=torch.cat(index),
         row_weight=torch.cat(weights),
         chunk=cfg.loss_chunk,
