@@ -279,7 +279,8 @@ def probe_box(
             break
     cache_rate = tokens / bare_forward(prep, picked)
 
-    # Training: one step (after one untimed) at the run's shapes, in the dtype train.dtype=auto will pick.
+    # Training: one step (after one untimed, which also compiles where train.compile is on) at the run's shapes, in
+    # the dtype train.dtype=auto will pick.
     hf = prep.verifier.model.config
     heads = hf.num_attention_heads
     draft_vocab = min(train_job.train.draft_vocab_size or cache_job.cache.draft_vocab_size, hf.vocab_size)
@@ -291,6 +292,7 @@ def probe_box(
         vocab_size=hf.vocab_size, draft_vocab_size=draft_vocab,
         seq_len=max(4, int(sorted(lengths)[len(lengths) // 2])),
         ttt_steps=train_job.ttt.ttt_steps, steps=1, warmup=1, dtypes=[dtype], batch_size=2,
+        compile=train_job.train.compile, attention=train_job.ttt.attention, loss_chunk=train_job.ttt.loss_chunk,
     )
     train_rate = bench_dtype(bench, dtype)["tokens_per_s"]
     del prep
