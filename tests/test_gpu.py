@@ -102,6 +102,34 @@ def test_greedy_loops_equal_plain_decoding_on_cuda():
 
 @pytest.mark.gpu
 @cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ttt_flash_attention_on_cuda_is_the_explicit_scores(dtype):
+    """The TTT attention's CUDA kernel (memory-efficient attention, the diagonal keys merged by log-sum-exp) passes
+    its own check and gives the explicit scores' output and gradients at every step of a 7-step unroll."""
+    from fledge.models.ttt_attention import flash_available, ttt_attention
+
+    device = torch.device("cuda")
+    assert flash_available(device), "the CUDA kernel failed its check (see the warning): the unroll would fall back"
+    g = torch.Generator().manual_seed(0)
+    b, h, hkv, t, d = 2, 8, 2, 96, 64
+    q = torch.randn(b, h, t, d, generator=g, device="cpu").to(device, dtype).requires_grad_()
+    keys = [torch.randn(b, hkv, t, d, generator=g, device="cpu").to(device, dtype).requires_grad_() for _ in range(7)]
+    values = [torch.randn(b, hkv, t, d, generator=g, device="cpu").to(device, dtype).requires_grad_() for _ in range(7)]
+    weights = torch.randn(b, h, t, d, generator=g, device="cpu").to(device, dtype)
+    tol = dict(rtol=1e-3, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    for steps in range(1, 8):
+        inputs = [q, *keys[:steps], *values[:steps]]
+        got = ttt_attention(q, keys[:steps], values[:steps], 0, "flash")
+        want = ttt_attention(q, keys[:steps], values[:steps], 0, "blocks")
+        torch.testing.assert_close(got.float(), want.float(), **tol)
+        got_grads = torch.autograd.grad((got.float() * weights.float()).sum(), inputs)
+        want_grads = torch.autograd.grad((want.float() * weights.float()).sum(), inputs)
+        for a, e in zip(got_grads, want_grads):
+            torch.testing.assert_close(a.float(), e.float(), **tol)
+
+
+@pytest.mark.gpu
+@cuda
 def test_pipeline_on_cuda(tmp_path, tiny_verifier_dir):
     """cache -> train -> eval (greedy and sampled, chain and tree) -> export, every stage on the GPU."""
     source = write_sharegpt_jsonl(tmp_path / "convs.jsonl", 24, max_words=30)
