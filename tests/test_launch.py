@@ -119,6 +119,19 @@ def test_the_launchers_ask_for_expandable_cuda_segments_unless_the_user_set_it()
         assert "export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}" in text, name
 
 
+def test_the_fledge_command_asks_torch_for_huge_pages_before_torch_loads_unless_the_user_set_it():
+    # torch reads THP_MEM_ALLOC_ENABLE once, at its first allocation: the package must not import torch before
+    # launch/cli.py sets it
+    probe = ("import os, sys, fledge; assert 'torch' not in sys.modules, 'fledge imports torch'; "
+             "import fledge.launch.cli; print(os.environ['THP_MEM_ALLOC_ENABLE'])")
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    for user, expected in ((None, "1"), ("0", "0")):
+        run_env = env if user is None else {**env, "THP_MEM_ALLOC_ENABLE": user}
+        done = subprocess.run([sys.executable, "-c", probe], env=run_env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == expected
+
+
 # ---------------------------------------------------------------------------------------- launch/gpu_smoke.sh
 # The whole script on this CPU takes 4-6 minutes (nine stages, each a process that imports torch): the tests run it
 # in pieces through SMOKE_ONLY; eval and export, plain CLI calls covered by the pipeline tests, are left out here.

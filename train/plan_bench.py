@@ -20,9 +20,10 @@ exactly from the tensors and reported beside. The step's memory is measured two 
 - **live tensor bytes** (printed as a check): a ``TorchDispatchMode`` trace of the storages every op creates and
   when they die (what a GPU's caching allocator would have to hand out, fragmentation aside).
 
-The presets' 4096 tokens need more memory than a shared CPU box has (46 GiB in fp32 at 8B; the T x T attention
-probabilities alone are 2 GiB per TTT step): the bench takes the longest length, in steps of 128 tokens,
-whose predicted total fits ``ram_limit_gib``, and says so.
+The presets' 4096 tokens need more memory than a shared CPU box has (23.8 GiB in fp32 at 8B, of which the step
+adds 14.9): the bench takes the longest length, in steps of 128 tokens, whose predicted total fits
+``ram_limit_gib``, and says so (``seq_len=2048 ram_limit_gib=19``: 8.101 GiB predicted against 8.105 measured
+for the step, on the 2-core Xeon of docs/experiments/2026-12-05-training-peak.md).
 
     fledge bench plan                              # 8B shapes, the longest length under 16 GiB
     fledge bench plan seq_len=512 ram_limit_gib=8
@@ -109,7 +110,9 @@ def measure(job: JobShape, threads: int, seed: int, timeout_s: float = 3600) -> 
     """Run one training step of ``job`` in a fresh process; what it holds above the baseline (module docstring)."""
     spec = {"draft": job.draft.to_dict(), "batch": job.micro_batch, "seq_len": job.seq_len,
             "ttt_steps": job.ttt_steps, "threads": threads, "seed": seed}
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
+    # (4 KiB pages: a tensor's freed pages leave the resident set at once; the fledge command's huge pages would
+    # round each large tensor up to 2 MiB)
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), "THP_MEM_ALLOC_ENABLE": "0"}
     done = subprocess.run([sys.executable, "-m", "fledge.train.plan_bench", json.dumps(spec)], env=env,
                           capture_output=True, text=True, timeout=timeout_s)
     if done.returncode != 0:
