@@ -1,7 +1,7 @@
 """The folder of a Hydra sweep (``fledge <stage> -m ...``): one job folder per job, each with ``sweep.json``.
 
-``launch/sweep.py`` writes the records and tabulates a sweep; ``fledge eval`` reads a training sweep's jobs to
-evaluate their drafts side by side.
+``launch/sweep.py`` writes the records, ``eval/sweeps.py`` tabulates a sweep; ``fledge eval`` reads a training
+sweep's jobs to evaluate their drafts side by side.
 """
 
 from __future__ import annotations

@@ -74,11 +74,11 @@ STAGES: dict[str, Stage] = {
         "fledge.train.bench:TrainBenchConfig", "fledge.train.bench:run", "training throughput and MFU"
     ),
     "plan": Stage(
-        "fledge.train.plan_job:PlanJobConfig", "fledge.train.plan_job:run",
+        "fledge.plan.job:PlanJobConfig", "fledge.plan.job:run",
         "disk, memory per GPU, FLOPs and hours of a job, from shapes alone", out_keys=("out_dir",),
     ),
     "bench_plan": Stage(
-        "fledge.train.plan_bench:PlanBenchConfig", "fledge.train.plan_bench:run",
+        "fledge.plan.bench:PlanBenchConfig", "fledge.plan.bench:run",
         "the plan's memory prediction against a measured CPU training step",
     ),
     "eval": Stage(

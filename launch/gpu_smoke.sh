@@ -3,7 +3,7 @@
 #   tests    the tests marked `gpu` (tests/test_gpu.py)
 #   bench    `fledge bench train` at Llama-3.1-8B draft shapes (hidden 4096, draft vocabulary 32000, TTT 7) for
 #            2048, 4096 and 8192 tokens, each where the planner says it fits (bf16, else fp32): the peak CUDA memory
-#            beside the planner's prediction (train/plan.py), and the bf16 / fp32 speed at 2048
+#            beside the planner's prediction (plan/memory.py), and the bf16 / fp32 speed at 2048
 #   verifier a random wide verifier (Llama, hidden 2048, 8 layers) with the default verifier's tokenizer
 #   cache    `fledge cache` of 256 shipped conversations (data.source=sharegpt-smollm2) through it
 #   train    `fledge train` under DeepSpeed ZeRO-2 in bf16, SIGTERM once step 10 is saved (a preemption: checkpoint,
@@ -153,8 +153,8 @@ from fledge.launch.cli import compose_config
 from fledge.models.shapes import VerifierShape, resolve_shape
 from fledge.models.verifier import VerifierConfig
 from fledge.train import bench
-from fledge.train.plan import GIB, JobShape, peak_memory
-from fledge.train.plan_bench import draft_of
+from fledge.plan.memory import GIB, JobShape, peak_memory
+from fledge.plan.bench import draft_of
 
 device, size, cases = sys.argv[1], sys.argv[2], sys.argv[3].split()
 cuda = device.startswith("cuda")

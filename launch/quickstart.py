@@ -19,12 +19,12 @@ from typing import Any
 from fledge.core.errors import ConfigError
 from fledge.eval.breakdown import breakdown_lines
 from fledge.eval.summary import report_table
-from fledge.launch.budget import (
+from fledge.plan.budget import (
     FIXED_SIZES,
     SIZE_KEYS,
-    Plan,
+    BudgetPlan,
     check_budget,
-    make_plan,
+    fit_budget,
     plan_lines,
     plan_vs_actual,
     probe_box,
@@ -57,7 +57,7 @@ class QuickstartConfig:
     force: bool = False
     """Rerun stages even when they finished before with the same overrides."""
     budget_minutes: float | None = 20.0
-    """Size the run to end within this many minutes on this box (``launch/budget.py``: it measures the box, then
+    """Size the run to end within this many minutes on this box (``plan/budget.py``: it measures the box, then
     chooses the conversations to cache, the epochs and the eval prompts). A size given as a stage override is kept;
     None uses the fixed sizes (``budget.FIXED_SIZES``)."""
 
@@ -82,7 +82,7 @@ def _given_size(cfg: QuickstartConfig, stage: str) -> float | None:
     return float(values[-1]) if values and values[-1] not in ("null", "None") else None
 
 
-def budget_plan(cfg: QuickstartConfig) -> Plan:
+def budget_plan(cfg: QuickstartConfig) -> BudgetPlan:
     """The run's plan: the one in ``plan.json`` when it was made for the same budget and overrides (a rerun), else
     a new one from a probe of this box."""
     from fledge.launch.cli import compose_config
@@ -90,7 +90,7 @@ def budget_plan(cfg: QuickstartConfig) -> Plan:
     path = Path(cfg.run_dir) / "plan.json"
     key = _stamp([cfg.budget_minutes, *[getattr(cfg, s) for s in STAGE_ORDER]])
     if not cfg.force and path.is_file():
-        plan = Plan.load(path)
+        plan = BudgetPlan.load(path)
         if plan.key == key:
             log.info("quickstart: reusing the plan in %s", path)
             plan.started = time.time() - sum(plan.actual_s.values())  # the clock of this invocation
@@ -101,7 +101,7 @@ def budget_plan(cfg: QuickstartConfig) -> Plan:
     rates, lengths = probe_box(cache_job, train_job, eval_job, None if "cache" not in fixed else int(fixed["cache"]))
     drafters = 1 + int(eval_job.hybrid) + int(eval_job.prompt_lookup)  # eagle3, eagle3+lookup, prompt lookup
     rows = (1 + int(eval_job.eval.hf_baseline) + drafters) * len(eval_job.prompts)  # decodings per prompt index
-    plan = make_plan(cfg.budget_minutes, rates, lengths, rows, eval_job.eval.max_new_tokens, fixed)
+    plan = fit_budget(cfg.budget_minutes, rates, lengths, rows, eval_job.eval.max_new_tokens, fixed)
     plan.started = time.time() - rates.probe_seconds
     plan.key = key
     plan.actual_s["probe"] = rates.probe_seconds
@@ -167,7 +167,7 @@ def run_pipeline(cfg: QuickstartConfig) -> dict[str, Any]:
     return {"timings": timings, "results": results, "plan": plan}
 
 
-def summary(run_dir: Path, timings: dict[str, Any], plan: Plan | None = None) -> str:
+def summary(run_dir: Path, timings: dict[str, Any], plan: BudgetPlan | None = None) -> str:
     lines = ["", "fledge quickstart — summary", ""]
     if plan is not None:
         lines += [*plan_vs_actual(plan), ""]

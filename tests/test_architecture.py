@@ -20,7 +20,7 @@ from fledge.launch.cli import CONF_DIR, STAGES
 from fledge.train.loop import RESUME_INVARIANTS, CacheBinding, RunBinding, RuntimeBinding, TrainJobConfig
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("core", "models", "decode", "data", "train", "eval", "export", "launch")
+PACKAGES = ("core", "models", "decode", "data", "train", "eval", "export", "plan", "launch")
 # What each layer may import (besides itself): the pipeline's order, with export reading only what models own.
 ALLOWED = {
     "core": set(),
@@ -30,7 +30,8 @@ ALLOWED = {
     "train": {"core", "models", "decode", "data"},
     "eval": {"core", "models", "decode", "data"},
     "export": {"core", "models"},
-    "launch": {"core", "models", "decode", "data", "train", "eval", "export"},
+    "plan": {"core", "models", "decode", "data", "train", "eval"},
+    "launch": {"core", "models", "decode", "data", "train", "eval", "export", "plan"},
 }
 
 

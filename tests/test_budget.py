@@ -8,14 +8,14 @@ import json
 import pytest
 
 from fledge.core.errors import ConfigError
-from fledge.launch.budget import (
+from fledge.plan.budget import (
     MAX_EPOCHS,
     MIN_BUDGET_MINUTES,
     PLAN_FRACTION,
     BoxRates,
-    Plan,
+    BudgetPlan,
     check_budget,
-    make_plan,
+    fit_budget,
     plan_lines,
     plan_vs_actual,
     revise_epochs,
@@ -34,8 +34,8 @@ def rates(scale: float = 1.0) -> BoxRates:
 
 
 def test_the_plan_fits_the_budget_and_a_fast_box_gets_more_data():
-    slow = make_plan(20, rates(1), LENGTHS, eval_rows=5, eval_new_tokens=96, fixed={})
-    fast = make_plan(20, rates(3), LENGTHS, eval_rows=5, eval_new_tokens=96, fixed={})
+    slow = fit_budget(20, rates(1), LENGTHS, eval_rows=5, eval_new_tokens=96, fixed={})
+    fast = fit_budget(20, rates(3), LENGTHS, eval_rows=5, eval_new_tokens=96, fixed={})
     for plan in (slow, fast):
         assert sum(plan.predicted_s.values()) <= 20 * 60 * PLAN_FRACTION + 1
         assert sum(plan.predicted_s.values()) >= 20 * 60 * PLAN_FRACTION * 0.95  # the budget is used, not left
@@ -46,9 +46,9 @@ def test_the_plan_fits_the_budget_and_a_fast_box_gets_more_data():
 
 
 def test_a_short_source_gets_more_epochs_and_user_sizes_are_kept():
-    short = make_plan(60, rates(1), LENGTHS[:100], eval_rows=5, eval_new_tokens=96, fixed={})
+    short = fit_budget(60, rates(1), LENGTHS[:100], eval_rows=5, eval_new_tokens=96, fixed={})
     assert short.sizes["cache"] == 100 and 2.0 < short.sizes["train"] <= MAX_EPOCHS
-    fixed = make_plan(20, rates(1), LENGTHS, eval_rows=5, eval_new_tokens=96, fixed={"cache": 400, "eval": 12})
+    fixed = fit_budget(20, rates(1), LENGTHS, eval_rows=5, eval_new_tokens=96, fixed={"cache": 400, "eval": 12})
     assert fixed.sizes["cache"] == 400 and fixed.sizes["eval"] == 12 and fixed.fixed == {"cache": True, "eval": True}
 
 
@@ -58,13 +58,13 @@ def test_a_budget_too_small_is_refused_naming_the_minimum():
     with pytest.raises(ConfigError, match=f"minimum of {MIN_BUDGET_MINUTES:g} minutes"):
         QuickstartConfig(budget_minutes=0.5)
     with pytest.raises(ConfigError, match=r"the minimum here is \d+ minutes") as e:
-        make_plan(4, rates(0.05), LENGTHS, eval_rows=5, eval_new_tokens=96, fixed={})
+        fit_budget(4, rates(0.05), LENGTHS, eval_rows=5, eval_new_tokens=96, fixed={})
     need = int(str(e.value).split("the minimum here is ")[1].split()[0])
-    make_plan(need, rates(0.05), LENGTHS, eval_rows=5, eval_new_tokens=96, fixed={})  # the named minimum fits
+    fit_budget(need, rates(0.05), LENGTHS, eval_rows=5, eval_new_tokens=96, fixed={})  # the named minimum fits
 
 
 def test_revisions_follow_the_boxs_real_speed():
-    plan = make_plan(20, rates(1), LENGTHS, eval_rows=5, eval_new_tokens=96, fixed={})
+    plan = fit_budget(20, rates(1), LENGTHS, eval_rows=5, eval_new_tokens=96, fixed={})
     planned = plan.sizes["train"]
     tokens = sum(LENGTHS[: int(plan.sizes["cache"])])
     plan.started -= plan.rates.probe_seconds + plan.predicted_s["cache"] * 1.5
@@ -78,9 +78,9 @@ def test_revisions_follow_the_boxs_real_speed():
 
 
 def test_a_plan_round_trips_through_json(tmp_path):
-    plan = make_plan(20, rates(1), LENGTHS[:50], eval_rows=5, eval_new_tokens=96, fixed={"train": 3.0})
+    plan = fit_budget(20, rates(1), LENGTHS[:50], eval_rows=5, eval_new_tokens=96, fixed={"train": 3.0})
     plan.save(tmp_path / "plan.json")
-    again = Plan.load(tmp_path / "plan.json")
+    again = BudgetPlan.load(tmp_path / "plan.json")
     assert again.sizes == plan.sizes and again.rates == plan.rates
 
 

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from fledge.launch.quickstart import run_pipeline
 from fledge.models.shapes import VerifierShape, shape_from_config
-from fledge.train.plan import verifier_flops
+from fledge.plan.memory import verifier_flops
 
 from conftest import main_exit, make_tiny_verifier, tiny_hf_config, tiny_pipeline
 

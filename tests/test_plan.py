@@ -23,7 +23,7 @@ from fledge.models.verifier import VerifierConfig, embedded_gguf
 from fledge.train.bench import synthetic_head, synthetic_states
 from fledge.train.config import TrainConfig
 from fledge.train.engine import EngineConfig, TorchEngine, TTTModule
-from fledge.train.plan import (
+from fledge.plan.memory import (
     GIB,
     REDUCE_BUCKET,
     JobShape,
@@ -35,9 +35,9 @@ from fledge.train.plan import (
     ttt_saved_bytes,
     verifier_flops,
 )
-from fledge.train.plan_bench import LiveBytes, PlanBenchConfig, draft_of
-from fledge.train.plan_bench import run as bench_run
-from fledge.train.plan_job import estimate_data, make_plan
+from fledge.plan.bench import LiveBytes, PlanBenchConfig, draft_of
+from fledge.plan.bench import run as bench_run
+from fledge.plan.job import estimate_data, make_plan
 from fledge.train.ttt import TTTConfig, ttt_forward
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -8,9 +8,10 @@ import json
 import pytest
 
 from fledge.core.errors import ConfigError
-from fledge.launch.budget import BoxRates, Plan
+from fledge.plan.budget import BoxRates, BudgetPlan
 from fledge.launch.cli import run_stage
-from fledge.launch.sweep import budget_main, budget_table, short_overrides, sweep_table, table_main, varying_overrides
+from fledge.eval.sweeps import budget_table, short_overrides, sweep_table, varying_overrides
+from fledge.launch.sweep import budget_main, table_main
 
 from test_train_fixtures import build_cache, run_cli, shared_root, train_overrides
 
@@ -78,7 +79,7 @@ def _quickstart_run(folder, budget_minutes, steps, tau, prompts):
     """A quickstart run folder as ``fledge quickstart`` leaves it: plan.json, train/metrics.jsonl, eval/report.json."""
     rates = BoxRates(cache_tokens_per_s=800.0, train_tokens_per_s=1000.0, decode_tokens_per_s=17.0,
                      train_dtype="bf16", probe_seconds=50.0)
-    plan = Plan(budget_minutes * 60, rates, [100, 200], eval_rows=10, eval_new_tokens=96,
+    plan = BudgetPlan(budget_minutes * 60, rates, [100, 200], eval_rows=10, eval_new_tokens=96,
                 sizes={"cache": 2, "train": 2.0, "eval": prompts},
                 actual_s={"probe": 50.0, "cache": 100.0, "train": 60.0 * steps, "eval": 90.0, "export": 1.0})
     folder.mkdir(parents=True)

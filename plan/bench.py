@@ -52,7 +52,7 @@ from fledge.core.errors import ConfigError
 from fledge.models.draft import Eagle3Config
 from fledge.models.shapes import VerifierShape, resolve_shape
 from fledge.models.verifier import VerifierConfig
-from fledge.train.plan import GIB, JobShape, Memory, peak_memory, ttt_saved_bytes
+from fledge.plan.memory import GIB, JobShape, Memory, peak_memory, ttt_saved_bytes
 
 MMAP_THRESHOLD = 128 * 1024
 """glibc's initial mmap threshold, fixed (``MALLOC_MMAP_THRESHOLD_``): larger blocks are mapped and unmapped on
@@ -113,7 +113,7 @@ def measure(job: JobShape, threads: int, seed: int, timeout_s: float = 3600) -> 
     # (4 KiB pages: a tensor's freed pages leave the resident set at once; the fledge command's huge pages would
     # round each large tensor up to 2 MiB)
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), "THP_MEM_ALLOC_ENABLE": "0"}
-    done = subprocess.run([sys.executable, "-m", "fledge.train.plan_bench", json.dumps(spec)], env=env,
+    done = subprocess.run([sys.executable, "-m", "fledge.plan.bench", json.dumps(spec)], env=env,
                           capture_output=True, text=True, timeout=timeout_s)
     if done.returncode != 0:
         raise RuntimeError(f"the measured step failed (exit {done.returncode}):\n{done.stderr[-3000:]}")

@@ -6,7 +6,7 @@ FLOPs per token, hours per epoch — and which way to run it, without loading an
     fledge plan verifier.name_or_path=org/model shape.hidden_size=5120 shape.intermediate_size=13824 ...
 
 The plan composes the cache's and the training's settings (a preset gives both), reads the verifier's shape
-(``models/shapes.py``), estimates the data from its source, and prices the job with ``train/plan.py``. It prints
+(``models/shapes.py``), estimates the data from its source, and prices the job with ``plan/memory.py``. It prints
 a table whose first column holds stable labels (``total_offline_gib``, ``recommended_zero_stage``, ...) and
 writes the same figures to ``<out_dir>/plan.json``. An impossible job (nothing fits a GPU) is a plan too: it says
 so and names what would fit.
@@ -33,7 +33,7 @@ from fledge.train.checkpoint import CheckpointConfig
 from fledge.train.config import HeldOutConfig, TrainConfig
 from fledge.train.engine import EngineConfig
 from fledge.train.logger import LogConfig
-from fledge.train.plan import (
+from fledge.plan.memory import (
     CACHE_BYTES_PER_CONVERSATION,
     GIB,
     STAGES,

@@ -73,7 +73,7 @@ class BoxRates:
 
 
 @dataclass
-class Plan:
+class BudgetPlan:
     budget_s: float
     rates: BoxRates
     conversation_tokens: list[int]
@@ -112,7 +112,7 @@ class Plan:
         atomic_write_text(path, json.dumps(asdict(self), indent=1))
 
     @classmethod
-    def load(cls, path: Path) -> Plan:
+    def load(cls, path: Path) -> BudgetPlan:
         record = json.loads(path.read_text())
         record["rates"] = BoxRates(**record["rates"])
         return cls(**record)
@@ -128,10 +128,10 @@ def check_budget(minutes: float | None) -> None:
         )
 
 
-def make_plan(budget_minutes: float, rates: BoxRates, conversation_tokens: list[int], eval_rows: int,
-              eval_new_tokens: int, fixed: dict[str, float]) -> Plan:
+def fit_budget(budget_minutes: float, rates: BoxRates, conversation_tokens: list[int], eval_rows: int,
+              eval_new_tokens: int, fixed: dict[str, float]) -> BudgetPlan:
     """Sizes for cache, train and eval that fill ``PLAN_FRACTION`` of the budget; ``fixed`` sizes are kept."""
-    plan = Plan(budget_minutes * 60, rates, conversation_tokens, eval_rows, eval_new_tokens,
+    plan = BudgetPlan(budget_minutes * 60, rates, conversation_tokens, eval_rows, eval_new_tokens,
                 fixed={stage: True for stage in fixed})
     usable = plan.budget_s * PLAN_FRACTION - rates.probe_seconds - STAGE_FIXED_S["export"]
     # Eval: 8 prompts, more when the budget allows (up to EVAL_SHARE of it), fewer only when it must.
@@ -167,7 +167,7 @@ def make_plan(budget_minutes: float, rates: BoxRates, conversation_tokens: list[
     return plan
 
 
-def _fit_conversations(plan: Plan, seconds: float, epochs: float) -> int:
+def _fit_conversations(plan: BudgetPlan, seconds: float, epochs: float) -> int:
     """The most conversations (in cache order) whose cache and ``epochs`` of training fit in ``seconds``."""
     r = plan.rates
     cost = STAGE_FIXED_S["cache"] + STAGE_FIXED_S["train"]
@@ -180,7 +180,7 @@ def _fit_conversations(plan: Plan, seconds: float, epochs: float) -> int:
     return n
 
 
-def revise_epochs(plan: Plan, cached_tokens: int, cache_seconds: float) -> tuple[float, float]:
+def revise_epochs(plan: BudgetPlan, cached_tokens: int, cache_seconds: float) -> tuple[float, float]:
     """After the cache: epochs that fill the time left, with the training rate scaled by how the cache's real speed
     compared with its prediction; and the training's time limit in minutes (a safety net 10 % above its share)."""
     slowdown = min(2.0, max(0.5, cache_seconds / plan.predicted_s["cache"]))
@@ -197,7 +197,7 @@ def revise_epochs(plan: Plan, cached_tokens: int, cache_seconds: float) -> tuple
     return epochs, 1.1 * seconds / 60
 
 
-def revise_prompts(plan: Plan, train_seconds: float) -> int:
+def revise_prompts(plan: BudgetPlan, train_seconds: float) -> int:
     """After training: the eval prompts that fit in the time left (at least ``MIN_PROMPTS``)."""
     slowdown = min(2.0, max(0.5, train_seconds / plan.predicted_s["train"]))
     rate = plan.rates.decode_tokens_per_s / slowdown
@@ -213,7 +213,7 @@ def revise_prompts(plan: Plan, train_seconds: float) -> int:
     return prompts
 
 
-def plan_lines(plan: Plan) -> list[str]:
+def plan_lines(plan: BudgetPlan) -> list[str]:
     r = plan.rates
     tokens = sum(plan.conversation_tokens[: int(plan.sizes["cache"])])
     lines = [
@@ -231,7 +231,7 @@ def plan_lines(plan: Plan) -> list[str]:
     return lines
 
 
-def plan_vs_actual(plan: Plan) -> list[str]:
+def plan_vs_actual(plan: BudgetPlan) -> list[str]:
     lines = ["stage       planned s  actual s"]
     for stage, predicted in plan.predicted_s.items():
         actual = plan.actual_s.get(stage)
