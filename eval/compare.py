@@ -14,40 +14,30 @@ depend on the machine.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 from fledge.core.errors import ConfigError
 from fledge.eval.metrics import bootstrap_interval, pooled_tau
+from fledge.eval.report import DrafterEntry, EvalReport
 
 
-def load_report(path: str | Path) -> dict[str, Any]:
+def load_report(path: str | Path) -> EvalReport:
     """A ``fledge eval`` report from its ``report.json`` or the folder that holds it."""
-    path = Path(path)
-    file = path / "report.json" if path.is_dir() else path
-    if not file.is_file():
-        raise ConfigError(f"no evaluation report at {path}", fix="give a fledge eval out_dir or its report.json")
-    try:
-        report = json.loads(file.read_text())
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"{file} is not JSON ({err})", fix="rerun the fledge eval that wrote it") from err
-    if not isinstance(report, dict) or not isinstance(report.get("sets"), dict):
-        raise ConfigError(f"{file} is not a fledge eval report (no 'sets')", fix="give a fledge eval report.json")
-    return report
+    return EvalReport.load(path)
 
 
-def _has_committed(entry: dict[str, Any]) -> bool:
-    return all("committed" in p for p in entry.get("per_prompt", []))
+def _has_committed(entry: DrafterEntry) -> bool:
+    return all("committed" in p for p in entry.per_prompt or [])
 
 
-def _per_prompt(entry: dict[str, Any], committed: bool) -> dict[Any, tuple[float, int, float]]:
+def _per_prompt(entry: DrafterEntry, committed: bool) -> dict[Any, tuple[float, int, float]]:
     """{prompt id: (tokens its rounds committed, rounds, speed-up)}; with ``committed`` false, the output's tokens
     less the prefill's one instead (reports from before ``committed`` was recorded), which falls short of the
     rounds' count where the last round was cut at the length limit or a stop token."""
     out = {}
-    for p in entry.get("per_prompt", []):
+    for p in entry.per_prompt or []:
         tokens = p["committed"] if committed else max(p["tokens"] - 1, 0)
         out[p["id"]] = (tokens, p["rounds"], p["speedup"])
     return out
@@ -62,42 +52,38 @@ def _mean_speedup(rows: list[tuple[float, int, float]]) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
-def compare_reports(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
+def compare_reports(a: EvalReport, b: EvalReport) -> list[dict[str, Any]]:
     """One row per (prompt set, drafter) in both reports: τ of each, the paired τ difference B − A and the paired
     speed-up ratio B / A with bootstrap intervals, over the prompts both ran. Refused when they share none."""
     rows = []
-    for set_name, entry_a in a["sets"].items():
-        entry_b = b["sets"].get(set_name)
-        if entry_b is None:
+    for set_name, name, d_a in a.drafter_rows():
+        d_b = b.sets[set_name].drafters.get(name) if set_name in b.sets else None
+        if d_b is None or not d_a.per_prompt or not d_b.per_prompt:
             continue
-        for name, d_a in entry_a.get("drafters", {}).items():
-            d_b = entry_b.get("drafters", {}).get(name)
-            if d_b is None or d_a.get("method") == "plain" or not d_a.get("per_prompt") or not d_b.get("per_prompt"):
-                continue
-            # Both sides count τ the same way: the rounds' committed tokens where both reports have them, else the
-            # output's tokens (so an older report does not put a counting difference into the comparison).
-            committed = _has_committed(d_a) and _has_committed(d_b)
-            pa, pb = _per_prompt(d_a, committed), _per_prompt(d_b, committed)
-            ids = [i for i in pa if i in pb]
-            if not ids:
-                continue
-            pairs = [(pa[i], pb[i]) for i in ids]
+        # Both sides count τ the same way: the rounds' committed tokens where both reports have them, else the
+        # output's tokens (so an older report does not put a counting difference into the comparison).
+        committed = _has_committed(d_a) and _has_committed(d_b)
+        pa, pb = _per_prompt(d_a, committed), _per_prompt(d_b, committed)
+        ids = [i for i in pa if i in pb]
+        if not ids:
+            continue
+        pairs = [(pa[i], pb[i]) for i in ids]
 
-            def tau_diff(sample: list) -> float:
-                return _pooled_tau([y for _, y in sample]) - _pooled_tau([x for x, _ in sample])
+        def tau_diff(sample: list) -> float:
+            return _pooled_tau([y for _, y in sample]) - _pooled_tau([x for x, _ in sample])
 
-            def speedup_ratio(sample: list) -> float:
-                base = _mean_speedup([x for x, _ in sample])
-                return _mean_speedup([y for _, y in sample]) / base if base else math.nan
+        def speedup_ratio(sample: list) -> float:
+            base = _mean_speedup([x for x, _ in sample])
+            return _mean_speedup([y for _, y in sample]) / base if base else math.nan
 
-            rows.append({
-                "set": set_name, "drafter": name, "prompts": len(ids),
-                "tau_from": "committed" if committed else "tokens",
-                "tau_a": _pooled_tau([x for x, _ in pairs]), "tau_b": _pooled_tau([y for _, y in pairs]),
-                "tau_diff": tau_diff(pairs), "tau_diff_interval": list(bootstrap_interval(pairs, tau_diff)),
-                "speedup_ratio": speedup_ratio(pairs),
-                "speedup_ratio_interval": list(bootstrap_interval(pairs, speedup_ratio)),
-            })
+        rows.append({
+            "set": set_name, "drafter": name, "prompts": len(ids),
+            "tau_from": "committed" if committed else "tokens",
+            "tau_a": _pooled_tau([x for x, _ in pairs]), "tau_b": _pooled_tau([y for _, y in pairs]),
+            "tau_diff": tau_diff(pairs), "tau_diff_interval": list(bootstrap_interval(pairs, tau_diff)),
+            "speedup_ratio": speedup_ratio(pairs),
+            "speedup_ratio_interval": list(bootstrap_interval(pairs, speedup_ratio)),
+        })
     if not rows:
         raise ConfigError("the two reports share no prompt set, drafter and prompt",
                           fix="compare evaluations of the same prompt sets (same prompts and eval.max_prompts)")

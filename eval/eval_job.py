@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from fledge.decode.drafters import PromptLookupDrafter
 from fledge.eval.batch_eval import batch_figures, batch_table
 from fledge.eval.breakdown import breakdown_figures, breakdown_lines
 from fledge.eval.datastore import load_datastore
+from fledge.eval.report import EvalReport
 from fledge.eval.roster import DrafterSettings
 from fledge.eval.runner import EvalConfig, evaluate, load_eagle_drafter
 from fledge.eval.summary import mismatch_lines, report_table, stable_figures
@@ -105,14 +105,14 @@ def run(cfg: EvalJobConfig) -> dict[str, Any]:
     if not drafters:
         raise ConfigError("nothing to evaluate", fix="set draft=... or prompt_lookup=true")
     prompt_sets = {_set_name(s): load_prompts(s) for s in cfg.prompts}
-    report = evaluate(verifier, prompt_sets, drafters, cfg.eval)
-    report["draft"] = draft_meta
-    if store is not None:
-        report["datastore"] = {"source": cfg.hybrid_datastore, "tokens": store.tokens, "ngrams": len(store),
-                               "n": [store.min_ngram, store.max_ngram], "seconds": store.seconds,
-                               "continuations": store.hits}
-    if cfg.eval.out_dir is not None:
-        (Path(cfg.eval.out_dir) / "report.json").write_text(json.dumps(report, indent=2))
+    def meta() -> dict[str, Any]:
+        if store is None:
+            return {"draft": draft_meta}
+        return {"draft": draft_meta, "datastore": {
+            "source": cfg.hybrid_datastore, "tokens": store.tokens, "ngrams": len(store),
+            "n": [store.min_ngram, store.max_ngram], "seconds": store.seconds, "continuations": store.hits}}
+
+    report = evaluate(verifier, prompt_sets, drafters, cfg.eval, meta)
     _log_wandb(cfg, report)
     batch = batch_table(report)
     first = breakdown_lines(report)
@@ -136,27 +136,24 @@ def _log_wandb(cfg: EvalJobConfig, report: dict[str, Any]) -> None:
     run = wandb.init(project=cfg.wandb_project, mode=cfg.wandb_mode, dir=str(out), job_type="eval",
                      config={"eval": report["config"], "draft": report.get("draft", {})})
     try:
-        for set_name, entry in report["sets"].items():
-            for name, d in entry["drafters"].items():
-                if d.get("method") == "plain":
-                    continue
-                prefix = f"{set_name}/{name}"
-                run.summary.update({f"{prefix}/tau": d["tau"], f"{prefix}/speedup": d["speedup"],
-                                    f"{prefix}/tau_interval": d["tau_interval"],
-                                    f"{prefix}/speedup_interval": d["speedup_interval"]})
-                if "vs_prompt_lookup" in d:  # throughput over prompt lookup's on the same prompts, paired
-                    run.summary.update({f"{prefix}/vs_prompt_lookup": d["vs_prompt_lookup"]["throughput_ratio"],
-                                        f"{prefix}/vs_prompt_lookup_interval": d["vs_prompt_lookup"]["interval"]})
-                if "predicted_speedup" in d:  # the batch-1 loop's cost model; a batch sweep has none
-                    run.summary.update({f"{prefix}/predicted_speedup": d["predicted_speedup"]})
-                if "greedy_match_rate" in d:
-                    run.summary.update({f"{prefix}/greedy_exact": d["greedy_exact"],
-                                        f"{prefix}/greedy_ties": d["greedy_tie_count"],
-                                        f"{prefix}/greedy_mismatches": d["greedy_mismatch_count"]})
-                table = wandb.Table(columns=["depth", "n_alpha", "cumulative_acceptance"])
-                for depth, (a, c) in enumerate(zip(d["n_alpha"], d["cumulative_acceptance"]), start=1):
-                    table.add_data(depth, a, c)
-                run.log({f"{prefix}/acceptance": table})
+        for set_name, name, d in EvalReport.from_json(report).drafter_rows():
+            prefix = f"{set_name}/{name}"
+            run.summary.update({f"{prefix}/tau": d.tau, f"{prefix}/speedup": d.speedup,
+                                f"{prefix}/tau_interval": d.tau_interval,
+                                f"{prefix}/speedup_interval": d.speedup_interval})
+            if d.vs_prompt_lookup is not None:  # throughput over prompt lookup's on the same prompts, paired
+                run.summary.update({f"{prefix}/vs_prompt_lookup": d.vs_prompt_lookup["throughput_ratio"],
+                                    f"{prefix}/vs_prompt_lookup_interval": d.vs_prompt_lookup["interval"]})
+            if d.predicted_speedup is not None:  # the batch-1 loop's cost model; a batch sweep has none
+                run.summary.update({f"{prefix}/predicted_speedup": d.predicted_speedup})
+            if d.greedy_exact is not None:
+                run.summary.update({f"{prefix}/greedy_exact": d.greedy_exact,
+                                    f"{prefix}/greedy_ties": d.greedy_tie_count,
+                                    f"{prefix}/greedy_mismatches": d.greedy_mismatch_count})
+            table = wandb.Table(columns=["depth", "n_alpha", "cumulative_acceptance"])
+            for depth, (a, c) in enumerate(zip(d.n_alpha or [], d.cumulative_acceptance or []), start=1):
+                table.add_data(depth, a, c)
+            run.log({f"{prefix}/acceptance": table})
         for set_name, by_size in (report.get("batch_sweep") or {}).items():
             # One row per batch size: speed-up over plain decoding at that size, and throughput.
             for size, entry in by_size.items():

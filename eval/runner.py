@@ -14,7 +14,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -38,6 +38,7 @@ from fledge.eval.metrics import (
     predicted_speedup,
     topk_acceptance,
 )
+from fledge.eval.report import REPORT_FILE, REPORT_FORMAT, EvalReport
 from fledge.eval.summary import one_line, plot_acceptance
 from fledge.eval.ties import DEFAULT_TIE_TOLERANCE, TieJudge, recheck_summary
 from fledge.eval.tune import CostModel, measure_verify_cost
@@ -238,8 +239,11 @@ def evaluate(
     prompts: list[dict] | dict[str, list[dict]],
     drafters: dict[str, Drafter | None],
     cfg: EvalConfig,
+    meta: Callable[[], dict[str, Any]] | None = None,
 ) -> dict:
-    """Run plain decoding and every drafter on every prompt set; returns (and writes) the report.
+    """Run plain decoding and every drafter on every prompt set; returns the report (``eval/report.py``'s layout) and,
+    with ``cfg.out_dir``, writes it there once, with its plots. ``meta``: the top-level fields the caller adds (the
+    draft evaluated, the datastore's counters), asked for once decoding has ended.
 
     ``prompts``: one set [{"id", "turns"}] or {set name: set}. ``drafters``: {name: drafter}; a None drafter is
     plain decoding under that name. Everything runs in the verifier's own dtype: losslessness is judged against
@@ -253,6 +257,7 @@ def evaluate(
     stop_ids = frozenset(stop_token_ids(verifier.tokenizer, getattr(verifier.model, "generation_config", None)))
     greedy = cfg.sampling().greedy
     report: dict = {
+        "format": REPORT_FORMAT,
         "config": dataclasses.asdict(cfg),
         "verifier": {"name": verifier.name, "dtype": str(verifier.dtype).replace("torch.", ""),
                      "aux_layer_ids": verifier.aux_layer_ids, "device": str(verifier.device),
@@ -318,19 +323,20 @@ def evaluate(
         report["sets"][set_name] = set_report
     if judge is not None:
         judge.close()
+    report.update(meta() if meta is not None else {})
     if cfg.out_dir is not None:
+        # the plots first, then the report (with where they are) in one write
         out = Path(cfg.out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "report.json").write_text(json.dumps(report, indent=2))
         plot_acceptance(report, out / "acceptance.png")
-        report["files"] = {"json": str(out / "report.json"), "png": str(out / "acceptance.png")}
+        files = {"json": str(out / REPORT_FILE), "png": str(out / "acceptance.png")}
         if plot_breakdown(report, out / "first_token.png"):
-            report["files"]["first_token_png"] = str(out / "first_token.png")
-            (out / "report.json").write_text(json.dumps(report, indent=2))
+            files["first_token_png"] = str(out / "first_token.png")
         if batched:
             plot_batch(report, out / "speedup_vs_batch.png")
-            report["files"]["batch_png"] = str(out / "speedup_vs_batch.png")
-            (out / "report.json").write_text(json.dumps(report, indent=2))
+            files["batch_png"] = str(out / "speedup_vs_batch.png")
+        report["files"] = files
+        EvalReport.from_json(report).save(out)
     return report
 
 

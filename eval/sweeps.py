@@ -13,6 +13,7 @@ from typing import Any
 from fledge.core.errors import ConfigError
 from fledge.core.sweep import SWEEP_FILE, sweep_jobs
 from fledge.eval.metrics import REFERENCE_DRAFTER
+from fledge.eval.report import EvalReport
 
 
 def varying_overrides(per_job: list[list[str]]) -> list[list[str]]:
@@ -55,14 +56,12 @@ def _training_figures(job_dir: Path) -> dict[str, Any]:
     return out
 
 
-def _eval_rows(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def _eval_rows(report: EvalReport) -> dict[str, dict[str, Any]]:
     """``{row name: {set, tau, speedup, interval}}`` for every drafter row of the first prompt set."""
     rows: dict[str, dict[str, Any]] = {}
-    for set_name, entry in report.get("sets", {}).items():
-        for name, d in entry.get("drafters", {}).items():
-            if d.get("method") != "plain" and name not in rows:
-                rows[name] = {"set": set_name, "tau": d.get("tau"), "speedup": d.get("speedup"),
-                              "interval": d.get("speedup_interval")}
+    for set_name, name, d in report.drafter_rows():
+        if name not in rows:
+            rows[name] = {"set": set_name, "tau": d.tau, "speedup": d.speedup, "interval": d.speedup_interval}
     return rows
 
 
@@ -78,7 +77,7 @@ def sweep_table(sweep_dir: str | Path) -> list[dict[str, Any]]:
     joint: dict[str, dict[str, Any]] = {}
     for report_path in sorted(sweep_dir.glob("*/report.json")):
         if not (report_path.parent / SWEEP_FILE).is_file():
-            joint.update(_eval_rows(json.loads(report_path.read_text())))
+            joint.update(_eval_rows(EvalReport.load(report_path)))
     varying = varying_overrides([r.get("overrides", []) for _, r in jobs])
     table = []
     for (job_dir, record), lever in zip(jobs, varying):
@@ -88,7 +87,7 @@ def sweep_table(sweep_dir: str | Path) -> list[dict[str, Any]]:
         own = job_dir / "report.json"
         rows = {name: r for name, r in joint.items() if name.endswith(f"#{record.get('job')}")}
         if own.is_file():
-            rows.update(_eval_rows(json.loads(own.read_text())))
+            rows.update(_eval_rows(EvalReport.load(own)))
         if not rows:
             table.append(base)
         for name, r in rows.items():
@@ -161,7 +160,7 @@ PLAN_FILE = "plan.json"
 """What ``fledge quickstart`` writes into its run folder: the budget, the plan's sizes and plan against actual."""
 
 
-def _runs_and_reports(folders: list[Path]) -> tuple[list[dict[str, Any]], list[tuple[Path, dict[str, Any]]]]:
+def _runs_and_reports(folders: list[Path]) -> tuple[list[dict[str, Any]], list[tuple[Path, EvalReport]]]:
     """Split the folders given into runs (a quickstart run folder, with ``plan.json``; or a training output, with
     ``metrics.jsonl``) and evaluations (a folder with ``report.json`` and no plan)."""
     runs, reports = [], []
@@ -170,11 +169,11 @@ def _runs_and_reports(folders: list[Path]) -> tuple[list[dict[str, Any]], list[t
             plan = json.loads((folder / PLAN_FILE).read_text())
             runs.append({"folder": folder, "draft": folder / "train", "plan": plan})
             if (folder / "eval" / "report.json").is_file():
-                reports.append((folder / "eval", json.loads((folder / "eval" / "report.json").read_text())))
+                reports.append((folder / "eval", EvalReport.load(folder / "eval")))
         elif (folder / "metrics.jsonl").is_file():
             runs.append({"folder": folder, "draft": folder, "plan": None})
         elif (folder / "report.json").is_file():
-            reports.append((folder, json.loads((folder / "report.json").read_text())))
+            reports.append((folder, EvalReport.load(folder)))
         else:
             raise ConfigError(f"{folder} is neither a run nor an evaluation (no {PLAN_FILE}, metrics.jsonl or "
                               "report.json)",
@@ -191,16 +190,16 @@ def budget_table(folders: list[str | Path]) -> list[dict[str, Any]]:
     folder given on a tie). An evaluation of a draft that none of the runs trained is refused by name."""
     runs, reports = _runs_and_reports([Path(f) for f in folders])
     by_draft = {run["draft"].resolve(): run for run in runs}
-    chosen: dict[tuple[Path, str], tuple[Path, dict[str, Any]]] = {}
+    chosen: dict[tuple[Path, str], tuple[Path, EvalReport]] = {}
     for folder, report in reports:
-        draft = Path(report.get("draft", {}).get("path") or "").resolve()
+        path = (report.draft or {}).get("path")
+        draft = Path(path or "").resolve()
         if draft not in by_draft:
-            raise ConfigError(f"{folder}/report.json evaluates {report.get('draft', {}).get('path')}, which none of "
-                              "the runs given trained",
+            raise ConfigError(f"{folder}/report.json evaluates {path}, which none of the runs given trained",
                               fix="give the run folder too, or leave the evaluation out")
-        for set_name, entry in report.get("sets", {}).items():
+        for set_name, entry in report.sets.items():
             best = chosen.get((draft, set_name))
-            if best is None or entry.get("num_prompts", 0) >= best[1]["sets"][set_name].get("num_prompts", 0):
+            if best is None or entry.num_prompts >= best[1].sets[set_name].num_prompts:
                 chosen[(draft, set_name)] = (folder, report)
     table = []
     for run in runs:
@@ -214,12 +213,12 @@ def budget_table(folders: list[str | Path]) -> list[dict[str, Any]]:
         if not sets:
             table.append(base)
         for set_name, folder, report in sets:
-            entry = report["sets"][set_name]
-            for name, d in entry.get("drafters", {}).items():
-                vs = d.get("vs_prompt_lookup") or {}
-                table.append({**base, "set": set_name, "drafter": name, "prompts": entry.get("num_prompts"),
-                              "report": str(folder), "tau": d.get("tau"), "speedup": d.get("speedup"),
-                              "interval": d.get("speedup_interval"), "vs_lookup": vs.get("throughput_ratio"),
+            entry = report.sets[set_name]
+            for name, d in entry.drafters.items():
+                vs = d.vs_prompt_lookup or {}
+                table.append({**base, "set": set_name, "drafter": name, "prompts": entry.num_prompts,
+                              "report": str(folder), "tau": d.tau, "speedup": d.speedup,
+                              "interval": d.speedup_interval, "vs_lookup": vs.get("throughput_ratio"),
                               "vs_lookup_interval": vs.get("interval")})
     return table
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from fledge.core.errors import ConfigError
 from fledge.eval.breakdown import breakdown_lines
+from fledge.eval.report import REPORT_FILE, EvalReport
 from fledge.eval.summary import report_table
 from fledge.plan.budget import (
     FIXED_SIZES,
@@ -174,9 +175,9 @@ def summary(run_dir: Path, timings: dict[str, Any], plan: BudgetPlan | None = No
     lines.append("stage       seconds")
     for stage, t in timings.items():
         lines.append(f"{stage:<11} {t['seconds']:7.0f}{'  (done before)' if t['skipped'] else ''}")
-    report_path = run_dir / "eval" / "report.json"
+    report_path = run_dir / "eval" / REPORT_FILE
     if report_path.is_file():
-        report = json.loads(report_path.read_text())
+        report = EvalReport.load(report_path).to_json()
         lines += ["", *report_table(report)]
         first = breakdown_lines(report)
         if first:

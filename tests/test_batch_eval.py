@@ -214,6 +214,7 @@ def test_evaluate_sweeps_batch_sizes_into_a_table_and_a_plot(tiny_verifier_dir, 
     assert len(batch_table(report)) == 1 + 3 * 2
     # per prompt as at batch 1 (its rounds, its group's speed-up), so fledge sweep compare pairs batched evaluations
     from fledge.eval.compare import compare_main, compare_reports
+    from fledge.eval.report import EvalReport
 
     for entry in sweep.values():
         d = entry["drafters"]["eagle"]
@@ -221,7 +222,8 @@ def test_evaluate_sweeps_batch_sizes_into_a_table_and_a_plot(tiny_verifier_dir, 
         assert [p["id"] for p in rows] == [p["id"] for p in prompts]
         assert sum(p["committed"] for p in rows) / sum(p["rounds"] for p in rows) == pytest.approx(d["tau"])
         assert {p["group"] for p in rows} == set(range(entry["groups"]))
-    paired = compare_reports(report, {"sets": {"toy": {"drafters": sweep["3"]["drafters"]}}})
+    paired = compare_reports(EvalReport.from_json(report),
+                             EvalReport.from_json({"sets": {"toy": {"drafters": sweep["3"]["drafters"]}}}))
     assert {(r["drafter"], r["prompts"]) for r in paired} == {("eagle", 5), ("prompt_lookup", 5)}
     assert all(r["speedup_ratio_interval"][0] <= r["speedup_ratio_interval"][1] for r in paired)
     assert compare_main([str(tmp_path / "eval"), str(tmp_path / "eval")]) == 0
@@ -242,6 +244,12 @@ def test_evaluate_sweeps_batch_sizes_into_a_table_and_a_plot(tiny_verifier_dir, 
     rows = [r for r in read_wandb_history(tmp_path / "eval") if "batch_size" in r]
     assert [r["batch_size"] for r in rows] == [1, 2, 3]
     assert [r["toy/eagle/batch_speedup"] for r in rows] == [sweep[s]["drafters"]["eagle"]["speedup"] for s in sweep]
+    # each drafter's α table (one row per depth), read from the report through its types
+    tables = {k: v for r in read_wandb_history(tmp_path / "eval") for k, v in r.items() if k.endswith("/nrows")}
+    drafters = report["sets"]["toy"]["drafters"]
+    assert tables == {f"toy/{name}/acceptance/nrows": len(drafters[name]["n_alpha"])
+                      for name in ("eagle", "prompt_lookup")}
+    assert all(tables.values())
 
 
 def test_a_batch_mixing_eagle_drafters_with_others_is_refused(verifier):

@@ -8,6 +8,7 @@ import pytest
 
 from fledge.core.errors import ConfigError
 from fledge.eval.compare import compare_lines, compare_main, compare_reports, load_report
+from fledge.eval.report import EvalReport
 
 
 def _report(per_set: dict[str, dict[str, list[tuple[str, int, int, float]]]], committed: bool = True) -> dict:
@@ -31,8 +32,13 @@ B = {"mt": {"hybrid": [("p1", 22, 10, 1.3), ("p2", 33, 20, 1.1), ("p3", 44, 20, 
      "code": {"hybrid": [("p1", 1, 1, 1.0)]}}
 
 
+def compare(a: dict, b: dict) -> list[dict]:
+    """compare_reports on two reports as they are read from disk."""
+    return compare_reports(EvalReport.from_json(a), EvalReport.from_json(b))
+
+
 def test_compare_pairs_the_prompts_both_ran():
-    rows = compare_reports(_report(A), _report(B))
+    rows = compare(_report(A), _report(B))
     assert len(rows) == 1  # lookup is only in A, code only in B, p4 only in B
     row = rows[0]
     assert (row["set"], row["drafter"], row["prompts"]) == ("mt", "hybrid", 3)
@@ -55,16 +61,16 @@ def test_compare_reads_older_reports_from_their_tokens():
     b = _report(B)
     for p in b["sets"]["mt"]["drafters"]["hybrid"]["per_prompt"]:
         p["tokens"] -= 1  # B's last rounds were cut: its outputs hold one token fewer than its rounds committed
-    rows = compare_reports(_report(A, committed=False), b)
+    rows = compare(_report(A, committed=False), b)
     assert rows[0]["tau_from"] == "tokens"
     assert rows[0]["tau_a"] == pytest.approx(90 / 50) and rows[0]["tau_b"] == pytest.approx(96 / 50)
     assert "predates" in "\n".join(compare_lines(rows))
-    assert compare_reports(_report(A), b)[0]["tau_from"] == "committed"
+    assert compare(_report(A), b)[0]["tau_from"] == "committed"
 
 
 def test_compare_refuses_reports_with_nothing_in_common(tmp_path):
     with pytest.raises(ConfigError, match="share no prompt set"):
-        compare_reports(_report(A), _report({"code": B["code"]}))
+        compare(_report(A), _report({"code": B["code"]}))
     with pytest.raises(ConfigError, match="no evaluation report"):
         load_report(tmp_path / "missing")
     (tmp_path / "bad.json").write_text("{not json")
@@ -84,3 +90,26 @@ def test_compare_main_prints_the_table(tmp_path, capsys):
     assert "mt          hybrid" in out and "+0.180" in out and "tau_diff mt/hybrid" in out
     assert compare_main([str(tmp_path / "a")]) == 2
     assert "usage: fledge sweep compare" in capsys.readouterr().out
+
+
+def test_a_report_reads_and_writes_back_unchanged_and_a_newer_format_is_refused(tmp_path):
+    record = _report(A)
+    record["sets"]["mt"]["drafters"]["hybrid"].update(tau=1.8, cost_ratio=0.3, tree={"mean_nodes": 4.0})
+    record["sets"]["mt"]["legacy_field"] = 1  # a field this fledge does not know: kept, not lost
+    record.update(config={"max_new_tokens": 8}, verifier={"name": "tiny"}, stop_ids=[2], draft={"path": "runs/a/train"})
+    record["sets"]["mt"]["baseline"] = {"tokens_per_s": 10.0}
+    report = EvalReport.from_json(record)
+    hybrid = report.sets["mt"].drafters["hybrid"]
+    assert (hybrid.method, hybrid.tau) == ("tree", 1.8)
+    assert hybrid.figures == {"cost_ratio": 0.3, "tree": {"mean_nodes": 4.0}}  # what readers do not type, kept
+    assert [(s, n) for s, n, _ in report.drafter_rows()] == [("mt", "hybrid"), ("mt", "lookup")]  # plain left out
+    file = report.save(tmp_path)
+    written = json.loads(file.read_text())
+    assert written.pop("format") == 1  # a report without a format (format 0) has format 1's keys
+    assert written == record
+    assert load_report(tmp_path).to_json() == report.to_json()
+    (tmp_path / "report.json").write_text(json.dumps({**record, "format": 2}))
+    with pytest.raises(ConfigError, match="report format 2; this fledge reads formats up to 1"):
+        load_report(tmp_path)
+    with pytest.raises(ConfigError, match="names no method"):
+        EvalReport.from_json({"sets": {"mt": {"drafters": {"x": {"tau": 1.0}}}}})

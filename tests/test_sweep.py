@@ -93,9 +93,9 @@ def _quickstart_run(folder, budget_minutes, steps, tau, prompts):
 
 
 def _report(folder, draft, tau, prompts):
-    drafters = {"eagle3": {"tau": tau, "speedup": 1.1, "speedup_interval": [1.0, 1.2],
+    drafters = {"eagle3": {"method": "tree", "tau": tau, "speedup": 1.1, "speedup_interval": [1.0, 1.2],
                            "vs_prompt_lookup": {"throughput_ratio": 0.9, "interval": [0.8, 1.0]}},
-                "prompt_lookup": {"tau": 1.4, "speedup": 1.2, "speedup_interval": [1.1, 1.3]}}
+                "prompt_lookup": {"method": "chain", "tau": 1.4, "speedup": 1.2, "speedup_interval": [1.1, 1.3]}}
     report = {"draft": {"path": str(draft)}, "sets": {"mtbench": {"num_prompts": prompts, "drafters": drafters}}}
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "report.json").write_text(json.dumps(report))
