@@ -21,7 +21,7 @@ import json
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,8 @@ EVAL_SHARE = 0.15
 # measuring v(k)), in seconds; calibrated on the 2-core AVX2 box from plan-vs-actual
 # (docs/experiments/2026-12-01-budget-and-levers.md).
 STAGE_FIXED_S = {"cache": 20.0, "train": 25.0, "eval": 45.0, "export": 5.0}
+BUDGET_FORMAT = 1
+"""The layout of the run folder's ``plan.json`` (``BudgetPlan``)."""
 
 
 @dataclass
@@ -90,6 +92,8 @@ class BudgetPlan:
     started: float = field(default_factory=time.time)
     key: str = ""
     """The budget and stage overrides the plan was made for (a rerun with the same ones reuses it)."""
+    format: int = BUDGET_FORMAT
+    """The file's layout (``BUDGET_FORMAT``; a plan without one, written before, has format 1's fields)."""
 
     # ---- cost model
     def cache_s(self, conversations: int) -> float:
@@ -113,8 +117,19 @@ class BudgetPlan:
 
     @classmethod
     def load(cls, path: Path) -> BudgetPlan:
+        """A plan a quickstart wrote; a later format than this fledge knows, or fields it does not, are refused."""
         record = json.loads(path.read_text())
+        version = record.setdefault("format", 0)
+        known = {f.name for f in fields(cls)}
+        if not isinstance(version, int) or version > BUDGET_FORMAT or set(record) - known:
+            raise ConfigError(
+                f"{path} is a budget plan of format {version!r} (this fledge reads up to {BUDGET_FORMAT})"
+                + (f" with fields it does not know: {', '.join(sorted(set(record) - known))}"
+                   if set(record) - known else ""),
+                fix="rerun the quickstart with force=true (a new probe and plan), or with the fledge that wrote it",
+            )
         record["rates"] = BoxRates(**record["rates"])
+        record["format"] = BUDGET_FORMAT
         return cls(**record)
 
 

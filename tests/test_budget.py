@@ -82,6 +82,15 @@ def test_a_plan_round_trips_through_json(tmp_path):
     plan.save(tmp_path / "plan.json")
     again = BudgetPlan.load(tmp_path / "plan.json")
     assert again.sizes == plan.sizes and again.rates == plan.rates
+    record = json.loads((tmp_path / "plan.json").read_text())
+    assert record["format"] == 1
+    # a plan written before formats were numbered reads alike; a later format or an unknown field is refused
+    (tmp_path / "old.json").write_text(json.dumps({k: v for k, v in record.items() if k != "format"}))
+    assert BudgetPlan.load(tmp_path / "old.json") == again
+    for bad, words in (({**record, "format": 2}, "format 2"), ({**record, "eval_share": 0.2}, "eval_share")):
+        (tmp_path / "bad.json").write_text(json.dumps(bad))
+        with pytest.raises(ConfigError, match=words):
+            BudgetPlan.load(tmp_path / "bad.json")
 
 
 def test_the_quickstart_under_a_budget_on_a_tiny_verifier(tmp_path, tiny_verifier_dir):
