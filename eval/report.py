@@ -76,6 +76,8 @@ class SetReport:
     baseline: dict[str, Any]
     """Plain decoding: tokens, seconds, tokens/s, the step's seconds (every cost's unit), the HF comparison."""
     drafters: dict[str, DrafterEntry]
+    prompts_skipped: int | None = None
+    """Prompts ``eval.time_limit_minutes`` left out (after the ``num_prompts`` that ran)."""
     draft_vocab_coverage: float | None = None
     first_token: dict[str, Any] | None = None
     """Where the draft's first token fails (``eval/breakdown.py``)."""

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -90,6 +91,12 @@ class EvalConfig:
     Hugging Face baseline."""
     max_prompts: int | None = None
     """Use only the first prompts of each set (None: all)."""
+    time_limit_minutes: float | None = None
+    """Stop starting prompts once the evaluation would run past this (None: no limit). Each prompt set gets an equal
+    share of the time left when it starts, and a prompt starts only while the set's time so far plus its mean prompt
+    time fits that share; every set runs at least one prompt. The prompts left out are counted in the report
+    (``prompts_skipped``). Batch 1 only. The quickstart sets it from its budget, so that a box slower than its probe
+    shortens the evaluation instead of overrunning the budget."""
     seed: int = 0
     """Sampling seed; each prompt restarts from it, so the baseline and each drafter see the same randomness."""
     warmup_tokens: int = 8
@@ -124,9 +131,13 @@ class EvalConfig:
             raise ConfigError(f"eval.num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
         if self.max_new_tokens < 1:
             raise ConfigError(f"eval.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.time_limit_minutes is not None and self.time_limit_minutes <= 0:
+            raise ConfigError(f"eval.time_limit_minutes must be > 0 (or null), got {self.time_limit_minutes}")
         self.tree_shape()
         self.sampling()
-        self.batch_sizes()
+        if self.batch_sizes() != [1] and self.time_limit_minutes is not None:
+            raise ConfigError("eval.time_limit_minutes applies to the prompt-by-prompt evaluation (batch_size=1)",
+                              fix="with a batch sweep leave it null and size the run by eval.max_prompts")
 
     def batch_sizes(self) -> list[int]:
         """``batch_size`` as an ascending list of distinct sizes."""
@@ -270,7 +281,8 @@ def evaluate(
     # The capture hooks a round pays for: those of the first drafter that reads the verifier's states.
     aux_ids = next((d.aux_layer_ids for _, d in named if d.needs_aux), None)
     batched = cfg.batch_sizes() != [1]
-    for set_name, set_prompts in sets.items():
+    deadline = None if cfg.time_limit_minutes is None else time.perf_counter() + 60 * cfg.time_limit_minutes
+    for set_index, (set_name, set_prompts) in enumerate(sets.items()):
         encoded = [(p["id"], encode_prompt(verifier.tokenizer, p, cfg.chat_template_kwargs))
                    for p in set_prompts[: cfg.max_prompts]]
         if not encoded:
@@ -289,18 +301,29 @@ def evaluate(
         plain: list[DecodeResult] = []
         hf: list[DecodeResult] = []
         runs: dict[str, list[DecodeResult]] = {name: [] for name, _ in named}
+        set_start = time.perf_counter()
+        share = None if deadline is None else (deadline - set_start) / (len(sets) - set_index)
         for _, ids in tqdm(encoded, desc=f"eval {set_name}", unit="prompt"):
+            spent = time.perf_counter() - set_start
+            if share is not None and plain and spent + spent / len(plain) > share:
+                log.info("eval %s: %d of %d prompts in %.0f s, the set's share of eval.time_limit_minutes",
+                         set_name, len(plain), len(encoded), spent)
+                break
             plain.append(_run(verifier, ids, None, "plain", cfg, stop_ids, cfg.max_new_tokens))
             if cfg.hf_baseline:
                 hf.append(_run_hf(verifier, ids, cfg, stop_ids, cfg.max_new_tokens))
             for name, drafter in named:
                 runs[name].append(_run(verifier, ids, drafter, methods[name], cfg, stop_ids, cfg.max_new_tokens))
+        skipped = len(encoded) - len(plain)
+        encoded = encoded[: len(plain)]
         base = _baseline_summary(plain, hf, greedy)
         if judge is not None and cfg.recheck:
             base["recheck"] = recheck_summary(judge, encoded, [r.tokens for r in plain])
         floors = (_round_floors(verifier, encoded[0][1], set(methods.values()), cfg, aux_ids)
                   if cfg.round_floor and named else None)
         set_report = {"num_prompts": len(encoded), "baseline": base, "drafters": {}}
+        if skipped:
+            set_report["prompts_skipped"] = skipped
         coverage = draft_vocab_coverage(named, plain)
         if coverage is not None:
             set_report["draft_vocab_coverage"] = coverage
@@ -325,18 +348,21 @@ def evaluate(
         judge.close()
     report.update(meta() if meta is not None else {})
     if cfg.out_dir is not None:
-        # the plots first, then the report (with where they are) in one write
+        # the plots first, then the report (with where they are) in one write, made even if a plot fails
         out = Path(cfg.out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        plot_acceptance(report, out / "acceptance.png")
-        files = {"json": str(out / REPORT_FILE), "png": str(out / "acceptance.png")}
-        if plot_breakdown(report, out / "first_token.png"):
-            files["first_token_png"] = str(out / "first_token.png")
-        if batched:
-            plot_batch(report, out / "speedup_vs_batch.png")
-            files["batch_png"] = str(out / "speedup_vs_batch.png")
-        report["files"] = files
-        EvalReport.from_json(report).save(out)
+        files = {"json": str(out / REPORT_FILE)}
+        try:
+            plot_acceptance(report, out / "acceptance.png")
+            files["png"] = str(out / "acceptance.png")
+            if plot_breakdown(report, out / "first_token.png"):
+                files["first_token_png"] = str(out / "first_token.png")
+            if batched:
+                plot_batch(report, out / "speedup_vs_batch.png")
+                files["batch_png"] = str(out / "speedup_vs_batch.png")
+        finally:
+            report["files"] = files
+            EvalReport.from_json(report).save(out)
     return report
 
 

@@ -27,6 +27,7 @@ from fledge.plan.budget import (
     check_budget,
     fit_budget,
     plan_lines,
+    eval_time_limit,
     plan_vs_actual,
     probe_box,
     revise_epochs,
@@ -148,8 +149,13 @@ def run_pipeline(cfg: QuickstartConfig) -> dict[str, Any]:
                 revise_prompts(plan, timings["train"]["seconds"])
             size = plan.sizes[stage]
         overrides = _sized(stage, overrides, size)
+        stamp = _stamp(overrides)  # what the stage's outputs depend on: a rerun with the same skips it
+        if (plan is not None and stage == "eval" and not plan.fixed.get("eval")
+                and not any(o.startswith("eval.time_limit_minutes=") for o in overrides)):
+            # a box that slows down after the probe shortens the evaluation instead of overrunning the budget
+            overrides.append(f"eval.time_limit_minutes={eval_time_limit(plan):.2f}")
         done = run_dir / f".done-{stage}.json"
-        if not cfg.force and done.is_file() and json.loads(done.read_text()).get("stamp") == _stamp(overrides):
+        if not cfg.force and done.is_file() and json.loads(done.read_text()).get("stamp") == stamp:
             record = json.loads(done.read_text())
             log.info("quickstart: %s finished before (%.0f s); skipping", stage, record["seconds"])
             timings[stage] = {"seconds": record["seconds"], "skipped": True}
@@ -160,7 +166,7 @@ def run_pipeline(cfg: QuickstartConfig) -> dict[str, Any]:
         seconds = time.perf_counter() - start
         timings[stage] = {"seconds": seconds, "skipped": False}
         ran.add(stage)
-        done.write_text(json.dumps({"stamp": _stamp(overrides), "seconds": seconds}))
+        done.write_text(json.dumps({"stamp": stamp, "seconds": seconds}))
         if plan is not None:
             plan.actual_s[stage] = seconds
             plan.save(run_dir / "plan.json")

@@ -228,6 +228,13 @@ def revise_prompts(plan: BudgetPlan, train_seconds: float) -> int:
     return prompts
 
 
+def eval_time_limit(plan: BudgetPlan) -> float:
+    """Minutes the evaluation may take (``eval.time_limit_minutes``): what the budget has left after its fixed
+    costs and the export; at least half a minute (every prompt set still runs one prompt)."""
+    left = plan.budget_s - plan.elapsed() - STAGE_FIXED_S["eval"] - STAGE_FIXED_S["export"]
+    return max(left, 30.0) / 60
+
+
 def plan_lines(plan: BudgetPlan) -> list[str]:
     r = plan.rates
     tokens = sum(plan.conversation_tokens[: int(plan.sizes["cache"])])

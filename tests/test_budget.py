@@ -118,6 +118,9 @@ def test_the_quickstart_under_a_budget_on_a_tiny_verifier(tmp_path, tiny_verifie
     assert manifest["num_conversations"] == 40
     saved = json.loads((run / "plan.json").read_text())
     assert saved["sizes"] == plan.sizes and saved["key"]
+    # the evaluation carries what the budget has left as its time limit
+    limit = json.loads((run / "eval" / "report.json").read_text())["config"]["time_limit_minutes"]
+    assert 0.5 <= limit <= 3
     # A rerun reuses the plan (no new probe) and skips every finished stage.
     again = run_pipeline(cfg)
     assert again["plan"].rates == plan.rates and all(t["skipped"] for t in again["timings"].values())

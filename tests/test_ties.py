@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fledge.core.errors import ConfigError
 from fledge.decode.drafters import PromptLookupDrafter
 from fledge.eval import runner
 from fledge.eval.exactness import tiny_verifier
+from fledge.eval.report import EvalReport
 from fledge.eval.runner import EvalConfig, evaluate
 from fledge.eval.summary import mismatch_lines, report_table
 from fledge.eval.ties import TieJudge
@@ -91,3 +93,45 @@ def test_evaluate_reports_ties_and_mismatches_and_the_job_fails_on_a_mismatch(ti
     with pytest.raises(SystemExit) as exc:
         eval_job.run(cfg_job)
     assert exc.value.code == 1
+
+
+def test_evaluate_writes_its_report_once_and_keeps_it_when_a_plot_fails(tiny_verifier_dir, tmp_path, monkeypatch):
+    verifier = load_verifier(VerifierConfig(name_or_path=str(tiny_verifier_dir), dtype="float32"))
+    prompts = [{"id": "a", "turns": ["Say hello."]}]
+    cfg = EvalConfig(max_new_tokens=4, warmup_tokens=0, hf_baseline=False, round_floor=False,
+                     out_dir=str(tmp_path / "eval"))
+    saves = []
+    real_save = EvalReport.save
+    monkeypatch.setattr(EvalReport, "save", lambda self, path: saves.append(path) or real_save(self, path))
+
+    def broken_plot(report, path):
+        raise RuntimeError("no display")
+
+    monkeypatch.setattr(runner, "plot_acceptance", broken_plot)
+    with pytest.raises(RuntimeError, match="no display"):
+        evaluate(verifier, {"toy": prompts}, {"lookup": PromptLookupDrafter()}, cfg,
+                 lambda: {"draft": {"path": "none"}})
+    assert len(saves) == 1
+    kept = EvalReport.load(tmp_path / "eval")
+    assert kept.format == 1 and kept.draft == {"path": "none"}
+    assert kept.files == {"json": str(tmp_path / "eval" / "report.json")}  # the plot that failed is not listed
+    assert kept.sets["toy"].drafters["lookup"].tau >= 1.0
+
+
+def test_eval_time_limit_stops_starting_prompts_and_counts_the_ones_left_out(tiny_verifier_dir):
+    verifier = load_verifier(VerifierConfig(name_or_path=str(tiny_verifier_dir), dtype="float32"))
+    prompts = [{"id": str(i), "turns": [f"Say {word}."]} for i, word in enumerate(["hello", "yes", "no"])]
+    settings = dict(max_new_tokens=4, warmup_tokens=0, hf_baseline=False, round_floor=False, first_token=False,
+                    recheck=False, out_dir=None)
+    drafters = {"lookup": PromptLookupDrafter()}
+    # a limit already spent: every set still runs its first prompt, and only it
+    spent = evaluate(verifier, {"a": prompts, "b": prompts}, drafters, EvalConfig(**settings, time_limit_minutes=1e-9))
+    for entry in spent["sets"].values():
+        assert (entry["num_prompts"], entry["prompts_skipped"]) == (1, 2)
+        assert [p["id"] for p in entry["drafters"]["lookup"]["per_prompt"]] == ["0"]
+    roomy = evaluate(verifier, {"a": prompts}, drafters, EvalConfig(**settings, time_limit_minutes=60))
+    assert roomy["sets"]["a"]["num_prompts"] == 3 and "prompts_skipped" not in roomy["sets"]["a"]
+    with pytest.raises(ConfigError, match="time_limit_minutes must be > 0"):
+        EvalConfig(time_limit_minutes=0)
+    with pytest.raises(ConfigError, match="prompt-by-prompt"):
+        EvalConfig(time_limit_minutes=5, batch_size=[1, 2])
