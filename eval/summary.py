@@ -47,6 +47,9 @@ def report_table(report: dict[str, Any]) -> list[str]:
             tau_lo, tau_hi = d.get("tau_interval") or (math.nan, math.nan)
             tau = f"{d.get('tau', math.nan):5.2f}" + (f" [{tau_lo:.2f}, {tau_hi:.2f}]" if "tau_interval" in d else "")
             rows.append(f"{set_name:<11} {name:<18} {tau:<20} {alphas:<31} {speedup:<24} {outcome}")
+    rows += [f"({set_name}: {entry['num_prompts']} of {entry['num_prompts'] + entry['prompts_skipped']} prompts, "
+             "the rest left out by eval.time_limit_minutes)"
+             for set_name, entry in report.get("sets", {}).items() if entry.get("prompts_skipped")]
     return rows
 
 

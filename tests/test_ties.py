@@ -129,8 +129,10 @@ def test_eval_time_limit_stops_starting_prompts_and_counts_the_ones_left_out(tin
     for entry in spent["sets"].values():
         assert (entry["num_prompts"], entry["prompts_skipped"]) == (1, 2)
         assert [p["id"] for p in entry["drafters"]["lookup"]["per_prompt"]] == ["0"]
+    assert "(a: 1 of 3 prompts, the rest left out by eval.time_limit_minutes)" in report_table(spent)
     roomy = evaluate(verifier, {"a": prompts}, drafters, EvalConfig(**settings, time_limit_minutes=60))
     assert roomy["sets"]["a"]["num_prompts"] == 3 and "prompts_skipped" not in roomy["sets"]["a"]
+    assert not any("left out" in row for row in report_table(roomy))
     with pytest.raises(ConfigError, match="time_limit_minutes must be > 0"):
         EvalConfig(time_limit_minutes=0)
     with pytest.raises(ConfigError, match="prompt-by-prompt"):
