@@ -35,9 +35,11 @@ class DrafterEntry:
     tau: float | None = None
     """Acceptance length: tokens committed per verifier call, pooled over the set's prompts."""
     tau_interval: list[float] | None = None
-    alpha: list[float] | None = None
-    """α per depth: the share of rounds whose k-th draft token was accepted given the ones before were."""
-    n_alpha: list[float] | None = None
+    alpha: float | None = None
+    """Pooled per-token α: accepted draft tokens over the draft tokens decided on."""
+    n_alpha: list[float | None] | None = None
+    """n-α per depth: the share of rounds that accepted the k-th draft token given they reached it (None: never
+    reached)."""
     cumulative_acceptance: list[float] | None = None
     """The share of rounds whose accepted path reached each depth."""
     speedup: float | None = None

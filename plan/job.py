@@ -29,10 +29,6 @@ from fledge.data.sources import CODE_SOURCE, SHIPPED_SOURCE, DataConfig, load_co
 from fledge.models.draft import Eagle3Config
 from fledge.models.shapes import VerifierShape, resolve_shape
 from fledge.models.verifier import DTYPES, VerifierConfig
-from fledge.train.checkpoint import CheckpointConfig
-from fledge.train.config import HeldOutConfig, TrainConfig
-from fledge.train.engine import EngineConfig
-from fledge.train.logger import LogConfig
 from fledge.plan.memory import (
     CACHE_BYTES_PER_CONVERSATION,
     GIB,
@@ -48,6 +44,10 @@ from fledge.plan.memory import (
     ttt_saved_bytes,
     verifier_flops,
 )
+from fledge.train.checkpoint import CheckpointConfig
+from fledge.train.config import HeldOutConfig, TrainConfig
+from fledge.train.engine import EngineConfig
+from fledge.train.logger import LogConfig
 from fledge.train.ttt import TTTConfig
 
 log = logging.getLogger(__name__)

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from fledge.core.errors import ConfigError
+from fledge.launch.quickstart import QuickstartConfig, run_pipeline
 from fledge.plan.budget import (
     MAX_EPOCHS,
     MIN_BUDGET_MINUTES,
@@ -21,7 +22,6 @@ from fledge.plan.budget import (
     revise_epochs,
     revise_prompts,
 )
-from fledge.launch.quickstart import QuickstartConfig, run_pipeline
 
 from conftest import write_sharegpt_jsonl
 

@@ -20,9 +20,9 @@ from fledge.launch.cli import compose_config
 from fledge.models.draft import Eagle3Config, Eagle3Draft
 from fledge.models.shapes import KNOWN_SHAPES, VerifierShape, read_gguf_header, resolve_shape, shape_from_gguf
 from fledge.models.verifier import VerifierConfig, embedded_gguf
-from fledge.train.bench import synthetic_head, synthetic_states
-from fledge.train.config import TrainConfig
-from fledge.train.engine import EngineConfig, TorchEngine, TTTModule
+from fledge.plan.bench import LiveBytes, PlanBenchConfig, draft_of
+from fledge.plan.bench import run as bench_run
+from fledge.plan.job import estimate_data, make_plan
 from fledge.plan.memory import (
     GIB,
     REDUCE_BUCKET,
@@ -35,9 +35,9 @@ from fledge.plan.memory import (
     ttt_saved_bytes,
     verifier_flops,
 )
-from fledge.plan.bench import LiveBytes, PlanBenchConfig, draft_of
-from fledge.plan.bench import run as bench_run
-from fledge.plan.job import estimate_data, make_plan
+from fledge.train.bench import synthetic_head, synthetic_states
+from fledge.train.config import TrainConfig
+from fledge.train.engine import EngineConfig, TorchEngine, TTTModule
 from fledge.train.ttt import TTTConfig, ttt_forward
 
 pytestmark = pytest.mark.usefixtures("one_thread")

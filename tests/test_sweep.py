@@ -8,10 +8,10 @@ import json
 import pytest
 
 from fledge.core.errors import ConfigError
-from fledge.plan.budget import BoxRates, BudgetPlan
-from fledge.launch.cli import run_stage
 from fledge.eval.sweeps import budget_table, short_overrides, sweep_table, varying_overrides
+from fledge.launch.cli import run_stage
 from fledge.launch.sweep import budget_main, table_main
+from fledge.plan.budget import BoxRates, BudgetPlan
 
 from test_train_fixtures import build_cache, run_cli, shared_root, train_overrides
 
