@@ -1,5 +1,6 @@
 """``report.json``, the evaluation's report, as types: what ``fledge eval`` writes and every reader of a report on disk
-goes through (``fledge sweep compare``, ``fledge sweep table|budget``, the quickstart's summary).
+goes through (``fledge sweep compare``, ``fledge sweep table|budget``, the quickstart's summary); and ``tune.json``,
+``fledge tune``'s (``TuneReport``, at the end).
 
 A report holds, per prompt set, plain decoding's figures (``baseline``) and one entry per drafter. The entry's
 fields below are the ones readers across fledge rely on; the rest of what the runner measured (round costs, the
@@ -181,3 +182,52 @@ def _join(obj: Any, rest: str) -> dict[str, Any]:
            if f.name not in (rest, "format") and getattr(obj, f.name) is not None}
     out.update(getattr(obj, rest))
     return out
+
+
+TUNE_FORMAT = 1
+TUNE_FILE = "tune.json"
+
+
+@dataclass
+class TuneReport:
+    """What ``fledge tune`` measured and recommends (``tune.json``; ``eval/tune_job.py``)."""
+
+    config: dict[str, Any]
+    dtype: str
+    draft: str
+    measurement: dict[str, Any]
+    """The chain run at N max: n-α, τ, speed-up, the draft's cost c, the top-k acceptance, the step's seconds."""
+    cost_model: dict[str, Any]
+    """v(k), c, the round overhead and c_tree per shape: what every candidate's prediction is made of."""
+    candidates: list[dict[str, Any]]
+    recommended: dict[str, Any]
+    verification: dict[str, Any] | None = None
+    """The recommendation (or the best speculative shape) measured: predicted against measured."""
+    format: int = TUNE_FORMAT
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": self.format, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                                          if f.name != "format"}}
+
+    @classmethod
+    def from_json(cls, record: Any, where: str = "the tune report") -> TuneReport:
+        names = {f.name for f in dataclasses.fields(cls)}
+        version = record.get("format", 0) if isinstance(record, dict) else None
+        if not isinstance(version, int) or version > TUNE_FORMAT or not {"candidates", "recommended"} <= set(record):
+            raise ConfigError(f"{where} is not a fledge tune report this fledge reads (format {version!r}, up to "
+                              f"{TUNE_FORMAT})", fix="read it with the fledge that wrote it, or rerun fledge tune")
+        return cls(**{k: v for k, v in record.items() if k in names and k != "format"})
+
+    @classmethod
+    def load(cls, path: str | Path) -> TuneReport:
+        path = Path(path)
+        file = path / TUNE_FILE if path.is_dir() else path
+        if not file.is_file():
+            raise ConfigError(f"no tune report at {path}", fix="give a fledge tune out_dir or its tune.json")
+        return cls.from_json(json.loads(file.read_text()), str(file))
+
+    def save(self, folder: str | Path) -> Path:
+        file = Path(folder) / TUNE_FILE
+        file.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(file, json.dumps(self.to_json(), indent=2))
+        return file

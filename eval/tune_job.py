@@ -8,7 +8,6 @@ fastest (plain decoding included), then measure the recommendation on the same p
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +20,7 @@ from fledge.data.sources import load_prompts
 from fledge.decode.drafters import PromptLookupDrafter
 from fledge.decode.proposals import TreeShape
 from fledge.eval.datastore import load_datastore
+from fledge.eval.report import TuneReport
 from fledge.eval.roster import DrafterSettings
 from fledge.eval.runner import EvalConfig, encode_prompt, evaluate, load_eagle_drafter
 from fledge.eval.tune import (
@@ -242,23 +242,22 @@ def run(cfg: TuneJobConfig) -> dict[str, Any]:
               f"tokens/round predicted {check.expected_tokens:.2f}, measured τ {d['tau']:.2f}; round cost predicted "
               f"{check.round_cost:.2f}, measured {verification['measured_round_cost']:.2f} steps", flush=True)
     entry.pop("topk_rounds", None)  # in measure/report.json already
-    result = {
-        "config": dataclasses.asdict(cfg),
-        "dtype": dtype,
-        "draft": str(cfg.draft),
-        "measurement": {"n_max": cfg.n_max, "n_alpha": entry["n_alpha"], "tau": entry["tau"],
-                        "speedup": entry["speedup"], "cost_ratio": entry["cost_ratio"], "topk_acceptance": topk,
-                        "verify_cost_in_steps": entry["verify_cost_in_steps"], "step_seconds": step_seconds},
-        "cost_model": {"verify_steps": {str(k): v for k, v in sorted(verify_steps.items())},
-                       "draft_step": cost.draft_step, "round_overhead": overhead,
-                       "measured_round_residual": residual,
-                       "tree_draft_step": {f"{s.depth}x{s.top_k}x{s.total_tokens}": c for s, c in trees}},
-        "candidates": [_candidate_json(o) for o in options],
-        "recommended": _candidate_json(choice),
-        "verification": verification,
-    }
+    report = TuneReport(
+        config=dataclasses.asdict(cfg),
+        dtype=dtype,
+        draft=str(cfg.draft),
+        measurement={"n_max": cfg.n_max, "n_alpha": entry["n_alpha"], "tau": entry["tau"],
+                     "speedup": entry["speedup"], "cost_ratio": entry["cost_ratio"], "topk_acceptance": topk,
+                     "verify_cost_in_steps": entry["verify_cost_in_steps"], "step_seconds": step_seconds},
+        cost_model={"verify_steps": {str(k): v for k, v in sorted(verify_steps.items())},
+                    "draft_step": cost.draft_step, "round_overhead": overhead,
+                    "measured_round_residual": residual,
+                    "tree_draft_step": {f"{s.depth}x{s.top_k}x{s.total_tokens}": c for s, c in trees}},
+        candidates=[_candidate_json(o) for o in options],
+        recommended=_candidate_json(choice),
+        verification=verification,
+    )
+    result = report.to_json()
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "tune.json").write_text(json.dumps(result, indent=2))
-        result["file"] = str(out / "tune.json")
+        result["file"] = str(report.save(out))
     return result

@@ -7,7 +7,9 @@ import json
 import pytest
 import torch
 
+from fledge.core.errors import ConfigError
 from fledge.decode.proposals import TreeShape
+from fledge.eval.report import TuneReport
 from fledge.eval.tune import (
     PLAIN,
     CostModel,
@@ -124,7 +126,11 @@ def test_tune_command_end_to_end(tiny_verifier_dir, tmp_path, capsys):
     result = run_stage("tune", overrides)
 
     saved = json.loads((tmp_path / "tune" / "tune.json").read_text())
-    assert saved["recommended"] == result["recommended"]
+    assert saved["format"] == 1 and saved["recommended"] == result["recommended"]
+    assert TuneReport.load(tmp_path / "tune").to_json() == saved  # read back through its type, unchanged
+    (tmp_path / "later.json").write_text(json.dumps({**saved, "format": 2}))
+    with pytest.raises(ConfigError, match="up to 1"):
+        TuneReport.load(tmp_path / "later.json")
     names = [c["name"] for c in saved["candidates"]]
     assert names == ["plain", "chain N=1", "chain N=2", "chain N=3", "tree d=2 k=2 T=3", "hybrid chain N=1",
                      "hybrid chain N=2", "hybrid chain N=3", "hybrid tree d=2 k=2 T=3"]
