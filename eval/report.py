@@ -144,14 +144,7 @@ class EvalReport:
     @classmethod
     def load(cls, path: str | Path) -> EvalReport:
         """From a ``report.json`` or the folder that holds it."""
-        path = Path(path)
-        file = path / REPORT_FILE if path.is_dir() else path
-        if not file.is_file():
-            raise ConfigError(f"no evaluation report at {path}", fix="give a fledge eval out_dir or its report.json")
-        try:
-            record = json.loads(file.read_text())
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{file} is not JSON ({err})", fix="rerun the fledge eval that wrote it") from err
+        file, record = _read(path, REPORT_FILE, "evaluation report", "fledge eval")
         return cls.from_json(record, str(file))
 
     def save(self, path: str | Path) -> Path:
@@ -166,6 +159,18 @@ class EvalReport:
         """(set, drafter, entry) for every drafter that drafts (plain decoding's rows left out), in report order."""
         return [(set_name, name, d) for set_name, s in self.sets.items() for name, d in s.drafters.items()
                 if d.method != "plain"]
+
+
+def _read(path: str | Path, name: str, what: str, command: str) -> tuple[Path, Any]:
+    """(the file, its JSON) of a report ``name`` given as the file or the folder that holds it."""
+    path = Path(path)
+    file = path / name if path.is_dir() else path
+    if not file.is_file():
+        raise ConfigError(f"no {what} at {path}", fix=f"give a {command} out_dir or its {name}")
+    try:
+        return file, json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{file} is not JSON ({err})", fix=f"rerun the {command} that wrote it") from err
 
 
 def _split(cls: type, record: dict[str, Any], rest: str) -> dict[str, Any]:
@@ -220,11 +225,9 @@ class TuneReport:
 
     @classmethod
     def load(cls, path: str | Path) -> TuneReport:
-        path = Path(path)
-        file = path / TUNE_FILE if path.is_dir() else path
-        if not file.is_file():
-            raise ConfigError(f"no tune report at {path}", fix="give a fledge tune out_dir or its tune.json")
-        return cls.from_json(json.loads(file.read_text()), str(file))
+        """From a ``tune.json`` or the folder that holds it."""
+        file, record = _read(path, TUNE_FILE, "tune report", "fledge tune")
+        return cls.from_json(record, str(file))
 
     def save(self, folder: str | Path) -> Path:
         file = Path(folder) / TUNE_FILE
