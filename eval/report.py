@@ -89,6 +89,9 @@ class SetReport:
 
     @classmethod
     def from_json(cls, record: dict[str, Any]) -> SetReport:
+        if not isinstance(record, dict) or not isinstance(record.get("drafters", {}), dict):
+            raise ConfigError("a prompt set's entry in the report is not a set report",
+                              fix="give a report.json written by fledge eval")
         fields = _split(cls, record, "figures")
         fields["drafters"] = {name: DrafterEntry.from_json(d) for name, d in (fields.get("drafters") or {}).items()}
         fields.setdefault("num_prompts", 0)

@@ -111,5 +111,7 @@ def test_a_report_reads_and_writes_back_unchanged_and_a_newer_format_is_refused(
     (tmp_path / "report.json").write_text(json.dumps({**record, "format": 2}))
     with pytest.raises(ConfigError, match="report format 2; this fledge reads formats up to 1"):
         load_report(tmp_path)
+    with pytest.raises(ConfigError, match="not a set report"):
+        EvalReport.from_json({"sets": {"mt": [1, 2]}})
     with pytest.raises(ConfigError, match="names no method"):
         EvalReport.from_json({"sets": {"mt": {"drafters": {"x": {"tau": 1.0}}}}})
