@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from fledge.data.json_stream import DataError, JsonArrayStream
 from fledge.data.sources import (
     DataConfig,
-    DataError,
-    JsonArrayStream,
     LoadReport,
     load_conversations,
     load_prompts,
