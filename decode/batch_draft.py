@@ -62,6 +62,14 @@ class BatchDrafter(Protocol):
         """Only these rows (in order) stay."""
         ...
 
+    observe_top_k: int
+    """How many of the verifier's most likely next tokens per verified row ``observe`` wants (0: no call)."""
+
+    def observe(self, blocks: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Row i's last verified block: ``(tokens [q_i], the verifier's top ids there [q_i, observe_top_k])``,
+        before ``advance``."""
+        ...
+
 
 def batch_drafter(drafters: list[Drafter]) -> BatchDrafter:
     """The batched form of one drafter per row: ``BatchedEagle`` (or ``BatchedHybrid``) when every row is an
@@ -111,6 +119,20 @@ class RowwiseBatch:
     def keep_rows(self, rows: list[int]) -> None:
         self.rows = [self.rows[i] for i in rows]
 
+    @property
+    def observe_top_k(self) -> int:
+        return max((getattr(d, "observe_top_k", 0) for d in self.rows), default=0)
+
+    def observe(self, blocks) -> None:
+        observe_rows(self.rows, blocks)
+
+
+def observe_rows(rows: list, blocks: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Hand each row's verified block to its drafter, where it wants one."""
+    for drafter, (tokens, top_ids) in zip(rows, blocks):
+        if getattr(drafter, "observe_top_k", 0):
+            drafter.observe(tokens, top_ids)
+
 
 @dataclasses.dataclass
 class _RowView:
@@ -140,6 +162,7 @@ class BatchedEagle:
     floating-point summation order."""
 
     needs_aux = True
+    observe_top_k = 0
 
     def __init__(self, prototype: EagleDrafter):
         self.draft = prototype.draft
@@ -359,6 +382,7 @@ class BatchedHybrid:
 
     def start(self, contexts, auxes) -> None:
         for row, context in zip(self.rows, contexts):
+            row.restart()
             row.lookup.start(context, None)
         self.eagle.start(contexts, auxes)
 
@@ -387,3 +411,10 @@ class BatchedHybrid:
     def keep_rows(self, rows: list[int]) -> None:
         self.rows = [self.rows[i] for i in rows]
         self.eagle.keep_rows(rows)
+
+    @property
+    def observe_top_k(self) -> int:
+        return self.rows[0].observe_top_k if self.rows else 0
+
+    def observe(self, blocks) -> None:
+        observe_rows(self.rows, blocks)

@@ -6,8 +6,10 @@ from __future__ import annotations
 import torch
 
 from fledge.core.errors import ConfigError
+from fledge.decode import merge
 from fledge.decode.datastore import NgramDatastore
 from fledge.decode.proposals import ChainDraft, Drafter, DraftTree, TreeShape, grow_tree, propose_chain_with
+from fledge.decode.recycle import RecycleTable
 from fledge.models.draft import Eagle3Draft
 from fledge.models.sampling import SamplingParams
 
@@ -36,6 +38,9 @@ class PromptLookupDrafter:
         had after the context's last tokens (``decode/datastore.py``); None: the context alone."""
         self._buffer = torch.empty(0, dtype=torch.long)
         self._length = 0
+        self._match_size = 0
+        self.match_length = 0
+        """How many tokens the last ``continuation``'s match had (0: none in the context; the datastore's, if any)."""
 
     @classmethod
     def matching(cls, min_ngram: int, max_ngram: int = 3, datastore: NgramDatastore | None = None
@@ -68,6 +73,11 @@ class PromptLookupDrafter:
     def propose_chain(self, n: int, sampling: SamplingParams, generator: torch.Generator | None) -> ChainDraft:
         return ChainDraft(tokens=self.continuation([], n), q=None)
 
+    @property
+    def last_token(self) -> int:
+        """The newest committed token (the next round's root)."""
+        return int(self._buffer[self._length - 1])
+
     def _matches(self, tail: torch.Tensor) -> torch.Tensor:
         """Where the continuations of the longest n-gram ending ``tail`` that occurred earlier in the committed
         context start (ascending); empty when none of ``min_ngram`` tokens or more did."""
@@ -77,7 +87,9 @@ class PromptLookupDrafter:
             windows = context[:-1].unfold(0, size, 1)
             hits = torch.nonzero((windows == tail[-size:]).all(dim=1))
             if hits.numel():
+                self._match_size = size
                 return hits[:, 0] + size
+        self._match_size = 0
         return torch.empty(0, dtype=torch.long)
 
     def continuation(self, extra: list[int], n: int) -> torch.Tensor:
@@ -87,6 +99,7 @@ class PromptLookupDrafter:
         context = self._buffer[: self._length]
         tail = torch.cat([context, torch.tensor(extra, dtype=torch.long)]) if extra else context
         starts = self._matches(tail)
+        self.match_length = self._match_size
         if starts.numel():
             start = int(starts[-1])
             return context[start : start + n].clone()
@@ -224,6 +237,10 @@ class HybridDrafter:
     branch is verified like any deterministic sibling; a tree of *sampled* children gets no branch, since its rule
     needs every sibling drawn from q.
 
+    Trees may also carry the verifier's own recorded successors of the root (``recycle``: token recycling,
+    ``decode/recycle.py``), and ``budget`` keeps the candidates of the most expected accepted tokens out of all of
+    them (``decode/merge.py``); both stay exact for the same reasons.
+
     Over an ``EagleDrafter`` the hybrid runs as ``BatchedHybrid`` (``decode/batch_draft.py``: lookup per row, the
     draft batched); its own ``start``/``advance``/``propose_*`` serve any other draft that proposes row by row.
     """
@@ -232,13 +249,15 @@ class HybridDrafter:
     supports_tree = True
 
     def __init__(self, eagle: Drafter, lookup: PromptLookupDrafter, draft_tokens: int = 0, extend: int = 0,
-                 lookup_nodes: int = 0):
+                 lookup_nodes: int = 0, recycle: RecycleTable | None = None, budget: int = 0):
         if lookup_nodes < 0:
             raise ConfigError(f"hybrid lookup_nodes must be >= 0 (0: off), got {lookup_nodes}")
         if draft_tokens < 0:
             raise ConfigError(f"hybrid draft_tokens must be >= 0 (0: the chain's length), got {draft_tokens}")
         if extend < 0:
             raise ConfigError(f"hybrid extend must be >= 0 (0: off), got {extend}")
+        if budget < 0:
+            raise ConfigError(f"hybrid budget must be >= 0 (0: every candidate), got {budget}")
         self.eagle = eagle
         self.lookup = lookup
         self.draft_tokens = draft_tokens
@@ -261,18 +280,50 @@ class HybridDrafter:
         the committed tokens left it before its end."""
         self.alternative_nodes = 0
         """Tokens of other occurrences' continuations added to trees (``lookup_nodes``)."""
+        self.recycle = recycle
+        """Trees: the verifier's recorded successors of the root, and theirs, as more branches
+        (``decode/recycle.py``); None: off."""
+        self.recycled_nodes = 0
+        """Tokens the recycle table added to trees (beyond the nodes the draft and the lookup had already)."""
+        self.budget = budget
+        """Trees: at most this many draft tokens, the candidates of the most expected accepted tokens
+        (``decode/merge.py``); 0: every candidate."""
+        self.acceptance = merge.AcceptanceModel()
+        """This sequence's acceptance per candidate kind, learned from its rounds (``budget``)."""
+        self.pruned_nodes = 0
+        """Candidates the budget left out."""
+        self._proposed: tuple[DraftTree, list] | None = None
         self._offered: list[int] = []
 
     def fresh(self) -> HybridDrafter:
         return HybridDrafter(self.eagle.fresh(), self.lookup.fresh(), self.draft_tokens, self.extend,
-                             self.lookup_nodes)
+                             self.lookup_nodes, None if self.recycle is None else self.recycle.fresh(), self.budget)
+
+    @property
+    def observe_top_k(self) -> int:
+        """How many of the verifier's most likely next tokens per verified row ``observe`` wants (0: none)."""
+        return 0 if self.recycle is None else self.recycle.k
+
+    def observe(self, tokens: torch.Tensor, top_ids: torch.Tensor) -> None:
+        """The last verified block: its tokens [q] (root, then nodes) and the verifier's top ids there [q, k]."""
+        if self.recycle is not None:
+            self.recycle.observe(tokens, top_ids)
 
     def draft_length(self, n: int) -> int:
         return min(n, self.draft_tokens) if self.draft_tokens else n
 
     def start(self, context: torch.Tensor, aux: torch.Tensor | None) -> None:
+        self.restart()
         self.lookup.start(context, aux)
         self.eagle.start(context, aux)
+
+    def restart(self) -> None:
+        """A new sequence: the recycle table back to its seed, the acceptance estimates back to their priors."""
+        if self.recycle is not None:
+            self.recycle.restart()
+        self.acceptance = merge.AcceptanceModel()
+        self._proposed = None
+        self._offered = []
 
     def advance(self, new_tokens: torch.Tensor, aux: torch.Tensor | None) -> None:
         self.settle(new_tokens.tolist())
@@ -287,6 +338,9 @@ class HybridDrafter:
         if self._offered and committed[: len(self._offered)] != self._offered:
             self.lookup_rejected += 1
         self._offered = []
+        if self._proposed is not None:
+            merge.settle(self.acceptance, *self._proposed, committed)
+            self._proposed = None
 
     def propose_chain(self, n: int, sampling: SamplingParams, generator: torch.Generator | None) -> ChainDraft:
         found = self.lookup.propose_chain(n, sampling, generator)
@@ -302,17 +356,24 @@ class HybridDrafter:
     def with_lookup(self, tree: DraftTree, shape: TreeShape) -> DraftTree:
         """The draft's ``tree`` with its lookup branches: the context's continuation from the root, and with
         ``extend``, the continuation after each of the draft's first ``extend`` first tokens (the one that is right
-        then leads into text the context repeats). Trees of sampled children are left as they are."""
+        then leads into text the context repeats); with ``lookup_nodes`` other occurrences' continuations, with
+        ``recycle`` the recorded successors. With ``budget``, the best ``budget`` nodes of it all
+        (``decode/merge.py``). Trees of sampled children are left as they are."""
         if tree.q is not None:
             return tree
+        draft_nodes = tree.size
+        tagged = []  # (branch, its nodes' key by depth), for the budget
         branches = [self.lookup.continuation([], shape.branch_depth)]
         self.offer(branches[0].tolist())
+        # Its nodes' acceptance is learned by depth and by how long the match was (0: the datastore's).
+        tagged.append((branches[0], lambda d, m=self.lookup.match_length: ("lookup", min(d, 6), m)))
         if self.extend and shape.branch_depth > 1:
             firsts = [t for t, d in zip(tree.tokens.tolist(), tree.depths.tolist()) if d == 1][: self.extend]
             for token in firsts:
                 more = self.lookup.continuation([token], shape.branch_depth - 1)
                 if more.numel():
                     branches.append(torch.cat([torch.tensor([token]), more]))
+                    tagged.append((branches[-1], lambda d: None if d == 1 else ("extend", min(d, 6))))
                     self.extended += 1
         branches = [b for b in branches if b.numel()]
         if branches:
@@ -323,7 +384,25 @@ class HybridDrafter:
             size = tree.size
             for branch in self.lookup.alternatives(shape.branch_depth, self.lookup_nodes):
                 tree = with_branch(tree, branch.to(tree.tokens.device))
+                tagged.append((branch, lambda d: ("alternative", min(d, 6))))
             self.alternative_nodes += tree.size - size
+        if self.recycle is not None:
+            size = tree.size
+            for ranks, path in self.recycle.ranked_paths(self.lookup.last_token):
+                path = path[: shape.branch_depth]
+                tree = with_branch(tree, torch.tensor(path, device=tree.tokens.device))
+                tagged.append((path, lambda d, ranks=ranks: ("recycle", d, ranks[d - 1])))
+            self.recycled_nodes += tree.size - size
+        if self.budget:
+            keys: list[list] = [[] for _ in range(tree.size)]
+            merge.draft_keys(tree, draft_nodes, keys)
+            index = merge.node_index(tree)
+            for branch, key_of in tagged:
+                merge.tag_branch(keys, index, [int(t) for t in branch], key_of)
+            size = tree.size
+            tree, keys = merge.keep_best(tree, keys, self.acceptance, self.budget)
+            self.pruned_nodes += size - tree.size
+            self._proposed = (tree, keys)
         return tree
 
 
@@ -342,6 +421,9 @@ def with_branch(tree: DraftTree, branch: torch.Tensor) -> DraftTree:
             child = len(tokens) - 1
         node = child
     device = tree.tokens.device
+    scores = None
+    if tree.scores is not None:
+        scores = torch.cat([tree.scores, tree.scores.new_full((len(tokens) - tree.size,), float("nan"))])
     return DraftTree(
         tokens=torch.tensor(tokens, dtype=torch.long, device=device),
         parents=torch.tensor(parents, dtype=torch.long, device=device),
@@ -349,4 +431,5 @@ def with_branch(tree: DraftTree, branch: torch.Tensor) -> DraftTree:
         q=None,
         q_rows=[-1] * (len(tokens) + 1),
         draft_to_target=tree.draft_to_target,
+        scores=scores,
     )

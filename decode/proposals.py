@@ -85,6 +85,9 @@ class DraftTree:
     """Per row (0 = root, i+1 = node i): its row in ``q``, or -1."""
     draft_to_target: torch.Tensor | None
     """[Vd] verifier id of each draft-vocabulary id; None when the vocabularies coincide."""
+    scores: torch.Tensor | None = None
+    """[M] each node's path confidence (the draft's cumulative log q, EAGLE-2's rerank key), NaN for a node the
+    draft did not propose; None when not known."""
 
     @property
     def size(self) -> int:
@@ -313,6 +316,7 @@ def tree_steps(
         q=torch.cat(q_tables) if sampled else None,
         q_rows=q_rows,
         draft_to_target=stepper.draft_to_target,
+        scores=all_scores[keep],
     )
 
 

@@ -17,7 +17,7 @@ import torch
 
 from fledge.core.errors import ConfigError
 from fledge.core.sweep import is_sweep_dir, sweep_jobs
-from fledge.data.sources import load_prompts
+from fledge.data.prompt_sets import load_prompts
 from fledge.decode.drafters import PromptLookupDrafter
 from fledge.eval.batch_eval import batch_figures, batch_table
 from fledge.eval.breakdown import breakdown_figures, breakdown_lines
@@ -88,6 +88,8 @@ def run(cfg: EvalJobConfig) -> dict[str, Any]:
     store = None
     if cfg.hybrid_datastore is not None and ((cfg.hybrid and cfg.draft is not None) or cfg.datastore_alone):
         store = load_datastore(cfg.hybrid_datastore, verifier.tokenizer, fingerprint=verifier.fingerprint)
+    recycle = (cfg.recycle_table(verifier.tokenizer, int(verifier.model.config.vocab_size), verifier.fingerprint)
+               if cfg.hybrid and cfg.draft is not None else None)
     for suffix, path in _draft_paths(cfg.draft).items():
         # A training run / step folder or an exported serving checkpoint, in the verifier's dtype and device.
         drafter = cfg.eagle(load_eagle_drafter(path, verifier).draft)
@@ -95,7 +97,8 @@ def run(cfg: EvalJobConfig) -> dict[str, Any]:
             drafters[f"eagle3{suffix}"] = drafter
         draft_meta = {"path": str(cfg.draft), "draft_vocab_size": int(drafter.draft.config.draft_vocab_size)}
         if cfg.hybrid:
-            drafters[f"eagle3+lookup{suffix}"] = cfg.hybrid_of(drafter.draft, store)
+            drafters[f"eagle3+lookup{suffix}"] = cfg.hybrid_of(drafter.draft, store,
+                                                                None if recycle is None else recycle.fresh())
     if is_sweep_dir(cfg.draft or ""):
         draft_meta["sweep_jobs"] = {str(r["job"]): r["overrides"] for _, r in sweep_jobs(cfg.draft, "train")}
     if cfg.prompt_lookup:

@@ -4,10 +4,11 @@ lookup and the hybrid through it, so that tune predicts and checks the drafter e
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fledge.decode.datastore import NgramDatastore
 from fledge.decode.drafters import EagleDrafter, HybridDrafter, PromptLookupDrafter
+from fledge.decode.recycle import RecycleTable, check_widths
 from fledge.models.draft import Eagle3Draft
 
 
@@ -38,6 +39,18 @@ class DrafterSettings:
     (``eval/datastore.py``): ``shipped`` (the default verifier's answers that ship with fledge), any data source or
     .jsonl file with assistant turns, or None (the context alone). Trees gain a branch; chains take it instead of
     the draft's chain."""
+    hybrid_recycle: list[int] = field(default_factory=list)
+    """Trees: token recycling (``decode/recycle.py``) adds the verifier's recorded successors of the root as more
+    branches, ``hybrid_recycle[d]`` per node at level d: [4, 1] adds the root's 4 recorded successors and the first
+    successor of each (up to 8 tokens, fewer where the draft or the lookup has them already). The verifier's top
+    tokens at every checked row are recorded each round; a sequence starts from ``hybrid_recycle_seed``. [] : off."""
+    hybrid_recycle_seed: str | None = "shipped"
+    """Where a sequence's recycle table starts: each token's most frequent successors in these answers (``shipped``:
+    the default verifier's own, or any data source or .jsonl with assistant turns); None: an empty table."""
+    hybrid_budget: int = 0
+    """Trees: at most this many draft tokens a round, out of everything the draft, the lookup and the recycle
+    table propose: the ones of the most expected accepted tokens, by each kind's acceptance so far in the sequence
+    (``decode/merge.py``); 0: every candidate."""
     draft_min_prob: float = 0.0
     """The draft's chains (alone and in the hybrid) stop before a position where its most likely token has less
     probability than this; 0 always drafts ``eval.num_draft_tokens``. Exact for greedy and sampled decoding."""
@@ -49,6 +62,18 @@ class DrafterSettings:
         """The hybrid's prompt lookup (and ``lookup+datastore``'s): from ``hybrid_min_ngram`` matching tokens."""
         return PromptLookupDrafter.matching(self.hybrid_min_ngram, self.prompt_lookup_max_ngram, store)
 
-    def hybrid_of(self, draft: Eagle3Draft, store: NgramDatastore | None) -> HybridDrafter:
+    def hybrid_of(self, draft: Eagle3Draft, store: NgramDatastore | None,
+                  recycle: RecycleTable | None = None) -> HybridDrafter:
         return HybridDrafter(self.eagle(draft), self.lookup(store), draft_tokens=self.hybrid_draft_tokens,
-                             extend=self.hybrid_extend, lookup_nodes=self.hybrid_lookup_nodes)
+                             extend=self.hybrid_extend, lookup_nodes=self.hybrid_lookup_nodes, recycle=recycle,
+                             budget=self.hybrid_budget)
+
+    def recycle_table(self, tokenizer, vocab_size: int, fingerprint: str | None = None) -> RecycleTable | None:
+        """The hybrid's recycle table, seeded as ``hybrid_recycle_seed`` says; None when ``hybrid_recycle`` is off."""
+        if not self.hybrid_recycle:
+            return None
+        from fledge.eval.datastore import recycle_seed
+
+        widths = check_widths(self.hybrid_recycle)
+        return RecycleTable(recycle_seed(self.hybrid_recycle_seed, tokenizer, vocab_size, max(widths), fingerprint),
+                            widths)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from fledge.core.errors import ConfigError
-from fledge.data.sources import load_prompts
+from fledge.data.prompt_sets import load_prompts
 from fledge.decode.drafters import PromptLookupDrafter
 from fledge.decode.proposals import TreeShape
 from fledge.eval.datastore import load_datastore
@@ -229,7 +229,12 @@ def run(cfg: TuneJobConfig) -> dict[str, Any]:
     if check is not PLAIN:
         check_cfg = _eval_config(cfg, str(out / "check") if out else None, **_shape_kwargs(check))
         name = "eagle3+lookup" if check.hybrid else "eagle3"
-        checker = cfg.hybrid_of(drafter.draft, lookup.datastore) if check.hybrid else cfg.eagle(drafter.draft)
+        if check.hybrid:  # recycled branches (hybrid_recycle) are not predicted, only checked
+            recycle = cfg.recycle_table(verifier.tokenizer, int(verifier.model.config.vocab_size),
+                                        verifier.fingerprint)
+            checker = cfg.hybrid_of(drafter.draft, lookup.datastore, recycle)
+        else:
+            checker = cfg.eagle(drafter.draft)
         checked = evaluate(verifier, {"tune": prompts}, {name: checker}, check_cfg)["sets"]["tune"]
         d = checked["drafters"][name]
         verification = {"shape": check.name, "predicted_speedup": check.predicted_speedup,

@@ -15,6 +15,7 @@ from fledge.decode.accept import leviathan_accept, multi_candidate_accept
 from fledge.decode.datastore import NgramDatastore
 from fledge.decode.drafters import HybridDrafter, PromptLookupDrafter, RandomDrafter
 from fledge.decode.proposals import ChainDraft, TreeShape, grow_tree, propose_chain_with
+from fledge.decode.recycle import RecycleTable, bigram_successors
 from fledge.eval.exactness import (
     chi2_critical, chi_square, exact_joint, exactness_check, random_eagle_factory, tiny_verifier,
 )
@@ -257,14 +258,19 @@ def hybrid_check(verifier, method, batch_size, made=None, runs=None):
     made = [] if made is None else made
     # A datastore (hybrid_datastore) of random text: where the context has no match, its continuations.
     rng = torch.Generator().manual_seed(0)
-    store = NgramDatastore([torch.randint(0, VOCAB, (64,), generator=rng).tolist() for _ in range(40)],
-                           max_ngram=2, min_ngram=1)
+    store_text = [torch.randint(0, VOCAB, (64,), generator=rng).tolist() for _ in range(40)]
+    store = NgramDatastore(store_text, max_ngram=2, min_ngram=1)
+
+    # Token recycling (hybrid_recycle) from a seed of the same random text: the root's 2 recorded successors and
+    # one of each, overwritten each round by the verifier's own top tokens.
+    recycle = RecycleTable(bigram_successors(store_text, VOCAB, 2), widths=[2, 1])
 
     def factory():
         # extend=2: the draft's first two first tokens carry lookup continuations too (hybrid_extend); and up to 3
         # tokens of other occurrences' continuations (hybrid_lookup_nodes)
+        # and a budget of 8 of all those candidates (hybrid_budget), chosen by their estimated acceptance
         made.append(HybridDrafter(eagle(), PromptLookupDrafter(max_ngram=2, min_ngram=1, datastore=store), extend=2,
-                                  lookup_nodes=3))
+                                  lookup_nodes=3, recycle=recycle.fresh(), budget=8))
         return made[-1]
 
     # The lookup branch may reach deeper than the draft's own tree (TreeShape.lookup_depth).
@@ -292,6 +298,9 @@ def test_hybrid_drafter_is_exact(verifier, method, batch_size):
     if method == "tree":
         assert sum(d.extended for d in made) > 0  # and branches under the draft's first tokens
         assert sum(d.alternative_nodes for d in made) > 0  # and other occurrences' continuations
+        assert sum(d.recycled_nodes for d in made) > 0  # and recycled successors
+        assert sum(d.pruned_nodes for d in made) > 0  # of which the budget left some out
+        assert sum(d.recycle.recorded for d in made) > 0  # the verifier's own, once rounds ran
 
 
 def test_the_hybrid_check_detects_a_three_point_shift(verifier, monkeypatch):
