@@ -13,7 +13,6 @@ that every complete record is recovered (17,671 of them) without ever holding th
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import importlib.util
 import json
@@ -236,22 +235,6 @@ def humaneval_path() -> Path:
     return path
 
 
-HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the whole function in a code block.\n\n"
-"""How a HumanEval problem becomes a chat turn: the function's signature and docstring follow, in a code block."""
-
-
-def _humaneval_prompts() -> list[dict]:
-    import gzip
-
-    prompts = []
-    with gzip.open(humaneval_path(), "rt", encoding="utf-8") as f:
-        for line in f:
-            rec = json.loads(line)
-            turn = f"{HUMANEVAL_INSTRUCTION}```python\n{rec['prompt']}```"
-            prompts.append({"id": rec["task_id"], "category": "code", "turns": [turn]})
-    return prompts
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Normalising one record.
 
@@ -393,7 +376,7 @@ def _hf_records(spec: str) -> Iterator[Any]:
     yield from tqdm(ds, desc=f"read {name}", total=len(ds))
 
 
-def _records(source: str, skipped: Counter) -> tuple[Iterable[Any], JsonArrayStream | None]:
+def source_records(source: str, skipped: Counter) -> tuple[Iterable[Any], JsonArrayStream | None]:
     """The raw records of a source and, for a JSON array, the stream that knows whether it was cut off."""
     if source == "sharegpt":
         stream = JsonArrayStream(sharegpt_path())
@@ -446,7 +429,7 @@ class Reading:
 def usable_conversations(source: str, cfg: DataConfig, offset: int, reading: Reading) -> Iterator[Conversation]:
     """The usable conversations of ``source``, normalised as ``cfg`` says, after its first ``offset``, read lazily
     (a caller that stops early does not parse the rest)."""
-    records, reading.stream = _records(source, reading.skipped)
+    records, reading.stream = source_records(source, reading.skipped)
     for record in records:
         reading.read += 1
         messages, reason, repairs = normalise_record(record, cfg.require_assistant)
@@ -479,7 +462,7 @@ def load_conversations(cfg: DataConfig) -> tuple[list[Conversation], LoadReport]
             if cfg.max_conversations is not None and len(conversations) >= cfg.max_conversations:
                 break
     else:
-        _records(cfg.source, reading.skipped)  # an unknown source is still refused
+        source_records(cfg.source, reading.skipped)  # an unknown source is still refused
     reading.refuse_if_unusable()
     report = LoadReport(
         source=cfg.source,
@@ -493,63 +476,6 @@ def load_conversations(cfg: DataConfig) -> tuple[list[Conversation], LoadReport]
     )
     log.info("%s", report.summary())
     return conversations, report
-
-
-def load_prompts(source: str = "mtbench", max_prompts: int | None = None) -> list[dict]:
-    """Evaluation prompts: ``[{"id": str, "category": str | None, "turns": [user turn, ...]}]``.
-
-    'mtbench' gives the 80 two-turn MT-bench questions, 'humaneval' the 164 HumanEval functions to complete (a code
-    set, where the answer repeats much of the prompt). A .jsonl / .json file may hold ``{"prompt": str}``,
-    ``{"turns": [str, ...]}`` or ShareGPT / OpenAI conversations (their user turns become the turns); 'sharegpt'
-    and 'hf:' sources give the user turns of their conversations.
-    """
-    if max_prompts is not None and max_prompts < 0:
-        raise ConfigError(f"max_prompts must be >= 0 or None, got {max_prompts}")
-    prompts: list[dict] = []
-    if source == "mtbench":
-        for rec in iter_jsonl(mtbench_dir() / "question.jsonl", Counter(), progress=False):
-            turns = list(rec["turns"])
-            prompts.append({"id": str(rec["question_id"]), "category": rec.get("category"), "turns": turns})
-    elif source == "humaneval":
-        prompts = _humaneval_prompts()
-    elif source in ("sharegpt",) or source.startswith("hf:"):
-        cfg = DataConfig(source=source, max_conversations=max_prompts, require_assistant=False)
-        conversations, _ = load_conversations(cfg)
-        for i, conv in enumerate(conversations):
-            turns = [m["content"] for m in conv if m["role"] == "user"]
-            prompts.append({"id": str(i), "category": None, "turns": turns})
-    else:
-        path = Path(source).expanduser()
-        skipped: Counter = Counter()
-        records, _ = _records(source, skipped)
-        for i, rec in enumerate(records):
-            if max_prompts is not None and len(prompts) >= max_prompts:
-                break
-            turns = _prompt_turns(rec)
-            if not turns:
-                skipped["not a prompt"] += 1
-                continue
-            rid = rec.get("id", rec.get("question_id", f"{path.stem}-{i}"))
-            prompts.append({"id": str(rid), "category": rec.get("category"), "turns": turns})
-        if not prompts:
-            raise DataError(f"{path}: no prompts ({dict(skipped)}); expected prompt, turns, conversations or messages")
-        if skipped:
-            log.warning("%s: skipped %s", path, dict(skipped))
-    return prompts[:max_prompts] if max_prompts is not None else prompts
-
-
-def _prompt_turns(record: Any) -> list[str] | None:
-    if not isinstance(record, dict):
-        return None
-    if isinstance(record.get("prompt"), str) and record["prompt"].strip():
-        return [record["prompt"]]
-    turns = record.get("turns")
-    if isinstance(turns, list) and turns and all(isinstance(t, str) and t.strip() for t in turns):
-        return list(turns)
-    messages, _, _ = normalise_record(record, require_assistant=False)
-    if messages is None:
-        return None
-    return [m["content"] for m in messages if m["role"] == "user"]
 
 
 def _load_mixture(cfg: DataConfig) -> tuple[list[Conversation], LoadReport]:

@@ -276,7 +276,7 @@ def probe_box(
     from fledge.core.dist import DistInfo, pick_device
     from fledge.data.cache_bench import bare_forward
     from fledge.data.cache_job import prepare
-    from fledge.data.sources import load_prompts
+    from fledge.data.prompt_sets import load_prompts
     from fledge.decode.loop import decode_one
     from fledge.eval.runner import encode_prompt
     from fledge.models.verifier import load_verifier

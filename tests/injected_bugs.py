@@ -208,7 +208,7 @@ def verdicts(judge, prompts: list[torch.Tensor], plain: list[list[int]], outputs
 
 def default_setup(dtype: str, n_prompts: int, max_new: int):
     """The default verifier in ``dtype``, ``n_prompts`` MT-bench first turns, and its plain greedy outputs."""
-    from fledge.data.sources import load_prompts
+    from fledge.data.prompt_sets import load_prompts
     from fledge.eval.runner import encode_prompt
     from fledge.models.verifier import VerifierConfig, load_verifier
     from reference_decode import generate_plain

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from fledge.data.json_stream import DataError, JsonArrayStream
+from fledge.data.prompt_sets import load_prompts
 from fledge.data.sources import (
     DataConfig,
     LoadReport,
     load_conversations,
-    load_prompts,
     normalise_record,
     sharegpt_path,
 )
