@@ -246,6 +246,9 @@ class BatchedEagle:
         self.has_context = [True] * batch
         self.slots = [_Slots() for _ in updates]
 
+    def observe(self, blocks) -> None:
+        """The draft alone records nothing of the verifier's outputs (``observe_top_k`` is 0)."""
+
     def keep_rows(self, rows: list[int]) -> None:
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         self.starts, self.ends = self.starts[index], self.ends[index]
