@@ -99,6 +99,33 @@ def write_random_draft_run(run_dir: Path, verifier_dir: Path, seed: int):
     return verifier, draft
 
 
+def own_answers_eval(tmp_path: Path, verifier_dir: Path) -> tuple[Path, list[str]]:
+    """A random draft's run for a tiny verifier, the verifier's own greedy answers to two prompts as a .jsonl of
+    conversations (for a datastore or a recycle seed), and the ``fledge eval`` overrides that evaluate the draft on
+    those prompts (tree rounds, exact checks on). Returns (the answers file, the overrides)."""
+    from fledge.eval.runner import encode_prompt
+    from reference_decode import generate_plain
+
+    verifier, _ = write_random_draft_run(tmp_path / "run", verifier_dir, seed=0)
+    texts = ["Tell me about the sea.", "Write a list of three fruits."]
+    answers = []
+    for text in texts:
+        out = generate_plain(verifier.model, encode_prompt(verifier.tokenizer, {"turns": [text]}),
+                             max_new_tokens=24).tokens
+        answers.append(verifier.tokenizer.decode(out, skip_special_tokens=True))
+    answers_file = tmp_path / "answers.jsonl"
+    answers_file.write_text("".join(json.dumps({"messages": [{"role": "user", "content": t},
+                                                              {"role": "assistant", "content": a}]}) + "\n"
+                                    for t, a in zip(texts, answers)))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in texts))
+    return answers_file, [
+        f"draft={tmp_path / 'run'}", f"verifier.name_or_path={verifier_dir}", "verifier.dtype=float32",
+        f"prompts=[{prompts}]", "eval.max_new_tokens=24", "eval.warmup_tokens=0", "eval.hf_baseline=false",
+        "eval.round_floor=false", "wandb_mode=disabled", "eval.method=tree", "eval.tree_depth=1",
+        "eval.tree_top_k=2", "eval.tree_total_tokens=2", "eval.num_draft_tokens=4"]
+
+
 def tiny_pipeline(tmp_path: Path, verifier_dir: Path, conversations: int, stages: list[str]):
     """The quickstart's stages at fixed tiny sizes on a tiny verifier (run folder ``tmp_path/qs``): ``conversations``
     random ShareGPT-style conversations, two one-turn prompts to evaluate, a 3-step training run."""

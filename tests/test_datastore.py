@@ -64,29 +64,11 @@ def test_the_shipped_answers_make_a_datastore_of_the_verifiers_habits(smollm_tok
 def test_eval_with_a_datastore_of_the_verifiers_answers(tiny_verifier_dir, tmp_path):
     """``hybrid_datastore=<file>`` and ``datastore_alone=true``: on prompts the verifier answered before, the
     datastore holds its answers, so the lookup with it accepts more than prompt lookup; every row stays exact."""
-    from fledge.eval.runner import encode_prompt
-    from reference_decode import generate_plain
     from fledge.launch.cli import run_stage
 
-    from conftest import write_random_draft_run
+    from conftest import own_answers_eval
 
-    verifier, _ = write_random_draft_run(tmp_path / "run", tiny_verifier_dir, seed=0)
-    texts = ["Tell me about the sea.", "Write a list of three fruits."]
-    answers = []
-    for text in texts:
-        out = generate_plain(verifier.model, encode_prompt(verifier.tokenizer, {"turns": [text]}),
-                             max_new_tokens=24).tokens
-        answers.append(verifier.tokenizer.decode(out, skip_special_tokens=True))
-    store_file = tmp_path / "answers.jsonl"
-    store_file.write_text("".join(json.dumps({"messages": [{"role": "user", "content": t},
-                                                            {"role": "assistant", "content": a}]}) + "\n"
-                                  for t, a in zip(texts, answers)))
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in texts))
-    common = [f"draft={tmp_path / 'run'}", f"verifier.name_or_path={tiny_verifier_dir}", "verifier.dtype=float32",
-              f"prompts=[{prompts}]", "eval.max_new_tokens=24", "eval.warmup_tokens=0", "eval.hf_baseline=false",
-              "eval.round_floor=false", "wandb_mode=disabled", "eval.method=tree", "eval.tree_depth=1",
-              "eval.tree_top_k=2", "eval.tree_total_tokens=2", "eval.num_draft_tokens=4"]
+    store_file, common = own_answers_eval(tmp_path, tiny_verifier_dir)
     report = run_stage("eval", [*common, f"hybrid_datastore={store_file}", "datastore_alone=true",
                                 f"eval.out_dir={tmp_path / 'eval'}"])
     rows = report["sets"]["prompts"]["drafters"]

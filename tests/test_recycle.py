@@ -162,32 +162,12 @@ def test_eval_with_recycled_successors_seeded_from_the_verifiers_answers(tiny_ve
     """``fledge eval hybrid_recycle=... hybrid_recycle_seed=<file>``: seeded from the verifier's own answers to these
     prompts, the hybrid's trees carry its next tokens and accept more than without them; with a budget the trees stay
     within it; every row stays exact."""
-    import json
-
-    from fledge.eval.runner import encode_prompt
     from fledge.launch.cli import run_stage
 
-    from conftest import write_random_draft_run
-    from reference_decode import generate_plain
+    from conftest import own_answers_eval
 
-    verifier, _ = write_random_draft_run(tmp_path / "run", tiny_verifier_dir, seed=0)
-    texts = ["Tell me about the sea.", "Write a list of three fruits."]
-    answers = []
-    for text in texts:
-        out = generate_plain(verifier.model, encode_prompt(verifier.tokenizer, {"turns": [text]}),
-                             max_new_tokens=24).tokens
-        answers.append(verifier.tokenizer.decode(out, skip_special_tokens=True))
-    seed_file = tmp_path / "answers.jsonl"
-    seed_file.write_text("".join(json.dumps({"messages": [{"role": "user", "content": t},
-                                                           {"role": "assistant", "content": a}]}) + "\n"
-                                 for t, a in zip(texts, answers)))
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in texts))
-    common = [f"draft={tmp_path / 'run'}", f"verifier.name_or_path={tiny_verifier_dir}", "verifier.dtype=float32",
-              f"prompts=[{prompts}]", "eval.max_new_tokens=24", "eval.warmup_tokens=0", "eval.hf_baseline=false",
-              "eval.round_floor=false", "wandb_mode=disabled", "eval.method=tree", "eval.tree_depth=1",
-              "eval.tree_top_k=2", "eval.tree_total_tokens=2", "eval.num_draft_tokens=4", "draft_alone=false",
-              "prompt_lookup=false"]
+    seed_file, common = own_answers_eval(tmp_path, tiny_verifier_dir)
+    common += ["draft_alone=false", "prompt_lookup=false"]
 
     def hybrid(*extra: str, name: str) -> dict:
         report = run_stage("eval", [*common, *extra, f"eval.out_dir={tmp_path / name}"])
