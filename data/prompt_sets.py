@@ -38,12 +38,14 @@ TRANSLATE = "Translate the following text into English:\n\n"
 
 
 def task_of(turn: str) -> tuple[str, str] | None:
-    """(kind, the prompt) for a first user turn that fits one of ``TASKS``, else None. translation: a turn of
-    40-1,500 characters in a Latin script with accents (2 % of its characters or more: French, Spanish, German, Vietnamese, ...) or mostly in
-    another script (Chinese, Korean, Russian, ...), which the prompt asks to translate into English; summarization: a turn over 800 characters that asks for a summary or TL;DR;
-    passage_qa: a turn over 1,500 characters with a question in its last 400 (a long text, then a question on it);
-    math: a turn under 800 characters with a digit and a word of calculation; chat: any other plain English turn of
-    40-600 characters."""
+    """(kind, the prompt) for a first user turn that fits one of ``TASKS``, else None.
+
+    translation: a turn of 40-1,500 characters in a Latin script with accents (2 % of its characters or more:
+    French, Spanish, German, Vietnamese, ...) or mostly in another script (Chinese, Korean, Russian, ...), which the
+    prompt asks to translate into English; summarization: a turn over 800 characters that asks for a summary or
+    TL;DR; passage_qa: a turn over 1,500 characters with a question in its last 400 (a long text, then a question
+    on it); math: a turn under 800 characters with a digit and a word of calculation; chat: any other turn of 40-600
+    characters without accents."""
     if not turn or len(turn) > 6000:
         return None
     low = turn.lower()

@@ -39,7 +39,8 @@ def bigram_successors(sequences: Iterable[Sequence[int]], vocab_size: int, k: in
     """[V, k] the k most frequent next tokens of each token over ``sequences`` (ties: the smaller id), ``UNKNOWN``
     where a token has fewer successors."""
     pairs = [torch.tensor(s, dtype=torch.long) for s in sequences if len(s) > 1]
-    table = torch.full((vocab_size, k), UNKNOWN, dtype=torch.long)
+    # 4 bytes a slot: a 128k vocabulary at k = 8 is 4 MB a sequence
+    table = torch.full((vocab_size, k), UNKNOWN, dtype=torch.int32)
     if not pairs:
         return table
     ids = torch.cat(pairs)
@@ -55,7 +56,7 @@ def bigram_successors(sequences: Iterable[Sequence[int]], vocab_size: int, k: in
     starts = torch.searchsorted(first, torch.arange(vocab_size))
     rank = torch.arange(first.numel()) - starts[first]
     keep = rank < k
-    table[first[keep], rank[keep]] = nxt[keep]
+    table[first[keep], rank[keep]] = nxt[keep].to(table.dtype)
     return table
 
 
@@ -89,7 +90,8 @@ class RecycleTable:
         likely next tokens at each, best first. Where a token appears twice, its last row wins."""
         last = {token: row for row, token in enumerate(tokens.tolist())}
         rows = torch.tensor(list(last.values()), dtype=torch.long)
-        self.table[torch.tensor(list(last.keys()), dtype=torch.long)] = top_ids.cpu()[rows, : self.k]
+        successors = top_ids.cpu()[rows, : self.k].to(self.table.dtype)
+        self.table[torch.tensor(list(last.keys()), dtype=torch.long)] = successors
         self.recorded += len(last)
 
     def paths(self, root: int) -> list[list[int]]:
