@@ -38,7 +38,6 @@ class PromptLookupDrafter:
         had after the context's last tokens (``decode/datastore.py``); None: the context alone."""
         self._buffer = torch.empty(0, dtype=torch.long)
         self._length = 0
-        self._match_size = 0
         self.match_length = 0
         """How many tokens the last ``continuation``'s match had (0: none in the context; the datastore's, if any)."""
 
@@ -78,19 +77,18 @@ class PromptLookupDrafter:
         """The newest committed token (the next round's root)."""
         return int(self._buffer[self._length - 1])
 
-    def _matches(self, tail: torch.Tensor) -> torch.Tensor:
+    def _matches(self, tail: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Where the continuations of the longest n-gram ending ``tail`` that occurred earlier in the committed
-        context start (ascending); empty when none of ``min_ngram`` tokens or more did."""
+        context start (ascending), and that n-gram's length; empty and 0 when none of ``min_ngram`` tokens or more
+        did."""
         context = self._buffer[: self._length]
         for size in range(min(self.max_ngram, tail.numel() - 1, self._length - 1), self.min_ngram - 1, -1):
             # Windows of the committed context that end before its last token, so a match always has a continuation.
             windows = context[:-1].unfold(0, size, 1)
             hits = torch.nonzero((windows == tail[-size:]).all(dim=1))
             if hits.numel():
-                self._match_size = size
-                return hits[:, 0] + size
-        self._match_size = 0
-        return torch.empty(0, dtype=torch.long)
+                return hits[:, 0] + size, size
+        return torch.empty(0, dtype=torch.long), 0
 
     def continuation(self, extra: list[int], n: int) -> torch.Tensor:
         """Up to ``n`` tokens that followed the latest earlier occurrence of the context's last n-gram, the context
@@ -98,8 +96,7 @@ class PromptLookupDrafter:
         the datastore's continuation of its last tokens (if there is a datastore); empty when nothing matches."""
         context = self._buffer[: self._length]
         tail = torch.cat([context, torch.tensor(extra, dtype=torch.long)]) if extra else context
-        starts = self._matches(tail)
-        self.match_length = self._match_size
+        starts, self.match_length = self._matches(tail)
         if starts.numel():
             start = int(starts[-1])
             return context[start : start + n].clone()
@@ -119,7 +116,7 @@ class PromptLookupDrafter:
         if nodes <= 0:
             return []
         context = self._buffer[: self._length]
-        starts = self._matches(context)
+        starts, _ = self._matches(context)
         if starts.numel() < 2:
             return []
         latest = context[int(starts[-1]) : int(starts[-1]) + n].tolist()
@@ -388,7 +385,7 @@ class HybridDrafter:
             self.alternative_nodes += tree.size - size
         if self.recycle is not None:
             size = tree.size
-            for ranks, path in self.recycle.ranked_paths(self.lookup.last_token):
+            for ranks, path in self.recycle.paths(self.lookup.last_token):
                 path = path[: shape.branch_depth]
                 tree = with_branch(tree, torch.tensor(path, device=tree.tokens.device))
                 tagged.append((path, lambda d, ranks=ranks: ("recycle", d, ranks[d - 1])))

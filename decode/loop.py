@@ -120,14 +120,13 @@ def generate(
                 logits, aux = session.forward(inputs, [t.parents for t in trees])
                 timer.lap("verify")
                 outcomes = [_tree_outcome(logits[i], t, sampling, generator) for i, t in enumerate(trees)]
-                if batch.observe_top_k:
-                    timer.lap("accept")
-                    # The verifier's most likely next tokens at every checked row, root and nodes alike (token
-                    # recycling: ``decode/recycle.py``); one top-k over the block for all rows.
-                    top = torch.topk(logits, min(batch.observe_top_k, logits.shape[-1]), dim=-1).indices.cpu()
-                    batch.observe([(x, top[i, : x.numel()]) for i, x in enumerate(inputs)])
-                    timer.lap("draft_update")
             timer.lap("accept")
+            if method == "tree" and batch.observe_top_k:
+                # The verifier's most likely next tokens at every checked row, root and nodes alike (token
+                # recycling: ``decode/recycle.py``); one top-k over the block for all rows.
+                top = torch.topk(logits, min(batch.observe_top_k, logits.shape[-1]), dim=-1).indices.cpu()
+                batch.observe([(x, top[i, : x.numel()]) for i, x in enumerate(inputs)])
+                timer.lap("draft_update")
             session.commit([o.kept for o in outcomes])
             timer.lap("kv_update")
             going, updates = [], []

@@ -94,13 +94,10 @@ class RecycleTable:
         self.table[torch.tensor(list(last.keys()), dtype=torch.long)] = successors
         self.recorded += len(last)
 
-    def paths(self, root: int) -> list[list[int]]:
-        """The candidate tree from ``root`` as its root-to-leaf paths, best first (pre-order): each node of level d
-        gets its first ``widths[d]`` recorded successors; a token already a sibling is not repeated."""
-        return [path for _, path in self.ranked_paths(root)]
-
-    def ranked_paths(self, root: int) -> list[tuple[tuple[int, ...], list[int]]]:
-        """``paths`` with each path's ranks: the place of each of its tokens among its recorded siblings."""
+    def paths(self, root: int) -> list[tuple[tuple[int, ...], list[int]]]:
+        """The candidate tree from ``root`` as its root-to-leaf paths, best first (pre-order), each with its ranks
+        (the place of each of its tokens among its recorded siblings): each node of level d gets its first
+        ``widths[d]`` recorded successors; a token already a sibling is not repeated."""
         leaves: list[tuple[tuple[int, ...], list[int]]] = []  # (ranks among siblings along the path, path)
         frontier: list[tuple[tuple[int, ...], list[int]]] = [((), [])]
         for width in self.widths:

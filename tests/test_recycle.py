@@ -32,15 +32,17 @@ def test_the_seed_ranks_successors_by_count_then_by_id():
 def test_the_table_keeps_the_last_verified_successors_and_reads_a_tree_off_them():
     seed = bigram_successors([[1, 2, 3, 4], [2, 5]], vocab_size=8, k=2)  # 1 -> 2; 2 -> 3, 5; 3 -> 4
     table = RecycleTable(seed, widths=[2, 1])
-    assert table.paths(1) == [[2, 3]]  # one recorded successor of 1, then the first of 2's
-    assert table.paths(2) == [[3, 4], [5]]  # 5 has none recorded: its path ends there
-    assert table.paths(6) == []
+    paths = lambda root: [path for _, path in table.paths(root)]  # noqa: E731
+    assert table.paths(2) == [((0, 0), [3, 4]), ((1,), [5])]  # with each token's rank among its siblings
+    assert paths(1) == [[2, 3]]  # one recorded successor of 1, then the first of 2's
+    assert paths(2) == [[3, 4], [5]]  # 5 has none recorded: its path ends there
+    assert paths(6) == []
     # A verified block: root 1, nodes 6 and 1 again; the second row of token 1 wins.
     table.observe(torch.tensor([1, 6, 1]), torch.tensor([[7, 6], [2, 2], [6, 7]]))
     assert table.table[1].tolist() == [6, 7] and table.table[6].tolist() == [2, 2]
     assert table.recorded == 2
-    assert table.paths(1) == [[6, 2], [7]]
-    assert table.paths(6) == [[2, 3]]  # a repeated successor is one sibling
+    assert paths(1) == [[6, 2], [7]]
+    assert paths(6) == [[2, 3]]  # a repeated successor is one sibling
     again = table.fresh()
     assert again.table[1].tolist() == seed[1].tolist() and again.recorded == 0  # a new sequence: the seed
     with pytest.raises(ConfigError, match="widths"):
