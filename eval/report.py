@@ -22,6 +22,7 @@ from typing import Any
 
 from fledge.core.errors import ConfigError
 from fledge.core.files import atomic_write_text
+from fledge.core.record import SectionedReport, read_json
 
 REPORT_FORMAT = 1
 REPORT_FILE = "report.json"
@@ -147,7 +148,7 @@ class EvalReport:
     @classmethod
     def load(cls, path: str | Path) -> EvalReport:
         """From a ``report.json`` or the folder that holds it."""
-        file, record = _read(path, REPORT_FILE, "evaluation report", "fledge eval")
+        file, record = read_json(path, REPORT_FILE, "evaluation report", "fledge eval")
         return cls.from_json(record, str(file))
 
     def save(self, path: str | Path) -> Path:
@@ -162,18 +163,6 @@ class EvalReport:
         """(set, drafter, entry) for every drafter that drafts (plain decoding's rows left out), in report order."""
         return [(set_name, name, d) for set_name, s in self.sets.items() for name, d in s.drafters.items()
                 if d.method != "plain"]
-
-
-def _read(path: str | Path, name: str, what: str, command: str) -> tuple[Path, Any]:
-    """(the file, its JSON) of a report ``name`` given as the file or the folder that holds it."""
-    path = Path(path)
-    file = path / name if path.is_dir() else path
-    if not file.is_file():
-        raise ConfigError(f"no {what} at {path}", fix=f"give a {command} out_dir or its {name}")
-    try:
-        return file, json.loads(file.read_text())
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"{file} is not JSON ({err})", fix=f"rerun the {command} that wrote it") from err
 
 
 def _split(cls: type, record: dict[str, Any], rest: str) -> dict[str, Any]:
@@ -192,13 +181,15 @@ def _join(obj: Any, rest: str) -> dict[str, Any]:
     return out
 
 
-TUNE_FORMAT = 1
-TUNE_FILE = "tune.json"
-
-
 @dataclass
-class TuneReport:
+class TuneReport(SectionedReport):
     """What ``fledge tune`` measured and recommends (``tune.json``; ``eval/tune_job.py``)."""
+
+    FORMAT = 1
+    FILE = "tune.json"
+    WHAT = "fledge tune report"
+    COMMAND = "fledge tune"
+    REQUIRED = frozenset({"candidates", "recommended"})
 
     config: dict[str, Any]
     dtype: str
@@ -211,29 +202,4 @@ class TuneReport:
     recommended: dict[str, Any]
     verification: dict[str, Any] | None = None
     """The recommendation (or the best speculative shape) measured: predicted against measured."""
-    format: int = TUNE_FORMAT
-
-    def to_json(self) -> dict[str, Any]:
-        return {"format": self.format, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                                          if f.name != "format"}}
-
-    @classmethod
-    def from_json(cls, record: Any, where: str = "the tune report") -> TuneReport:
-        names = {f.name for f in dataclasses.fields(cls)}
-        version = record.get("format", 0) if isinstance(record, dict) else None
-        if not isinstance(version, int) or version > TUNE_FORMAT or not {"candidates", "recommended"} <= set(record):
-            raise ConfigError(f"{where} is not a fledge tune report this fledge reads (format {version!r}, up to "
-                              f"{TUNE_FORMAT})", fix="read it with the fledge that wrote it, or rerun fledge tune")
-        return cls(**{k: v for k, v in record.items() if k in names and k != "format"})
-
-    @classmethod
-    def load(cls, path: str | Path) -> TuneReport:
-        """From a ``tune.json`` or the folder that holds it."""
-        file, record = _read(path, TUNE_FILE, "tune report", "fledge tune")
-        return cls.from_json(record, str(file))
-
-    def save(self, folder: str | Path) -> Path:
-        file = Path(folder) / TUNE_FILE
-        file.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(file, json.dumps(self.to_json(), indent=2))
-        return file
+    format: int = FORMAT

@@ -15,14 +15,13 @@ so and names what would fit.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fledge.core.errors import ConfigError
-from fledge.core.files import atomic_write_text
+from fledge.core.record import SectionedReport
 from fledge.data.cache import CacheConfig
 from fledge.data.cache_job import CacheJobConfig
 from fledge.data.sources import CODE_SOURCE, SHIPPED_SOURCE, DataConfig, load_conversations
@@ -149,6 +148,37 @@ class PlanJobConfig:
 
 
 # ------------------------------------------------------------------------------------------------------------ data
+@dataclass
+class JobPlan(SectionedReport):
+    """What ``fledge plan`` prints and writes to ``<out_dir>/plan.json``: every figure of the table, by section."""
+
+    FORMAT = 1
+    FILE = "plan.json"
+    WHAT = "fledge plan"
+    COMMAND = "fledge plan"
+    REQUIRED = frozenset({"memory", "recommendation"})
+
+    verifier: dict[str, Any]
+    """Its name, shape (and where the shape came from), parameters in all and active per token."""
+    hardware: dict[str, Any]
+    """Nodes, GPUs, memory per GPU (and usable), the peak TFLOP/s and the MFU the hours assume."""
+    job: dict[str, Any]
+    """The training step priced: micro-batch, length, TTT steps, dtype, optimizer, the draft's parameters."""
+    data: dict[str, Any]
+    """Conversations, tokens per conversation and per epoch, the loss's share, how they were estimated."""
+    disk: dict[str, Any]
+    """The offline cache: bytes per token and GiB in all."""
+    memory: dict[str, Any]
+    """``{offline|online: {zero0..zero3: {total_gib, fits, peak_at, terms_gib, moments_gib} | None}}``."""
+    activations_saved_gib: dict[str, float]
+    """What the backward keeps of one micro-batch, by term."""
+    compute: dict[str, Any]
+    """FLOPs per token, hours per epoch and in all (offline and online), the cache's build time and read rate."""
+    recommendation: dict[str, Any]
+    """The way to run it (mode, ZeRO stage, micro-batch, overrides) and why, or what would fit."""
+    format: int = FORMAT
+
+
 @dataclass
 class DataEstimate:
     conversations: int
@@ -329,7 +359,7 @@ def what_would_fit(job: JobShape, cfg: PlanJobConfig, mode: str, usable: float) 
     return lines
 
 
-def make_plan(cfg: PlanJobConfig) -> dict[str, Any]:
+def make_plan(cfg: PlanJobConfig) -> JobPlan:
     shape, shape_source = resolve_shape(cfg.verifier, cfg.shape)
     draft = draft_config(shape, cfg)
     data = estimate_data(cfg)
@@ -449,30 +479,30 @@ def make_plan(cfg: PlanJobConfig) -> dict[str, Any]:
         recommendation["what_would_fit"] = what_would_fit(job, cfg, mode, usable)
     recommendation["reasons"] = reasons
 
-    return {
-        "verifier": {"name": cfg.verifier.name_or_path, "shape": dataclasses.asdict(shape), "shape_from": shape_source,
+    return JobPlan(
+        verifier={"name": cfg.verifier.name_or_path, "shape": dataclasses.asdict(shape), "shape_from": shape_source,
                      "params": shape.params(), "active_params": shape.active_params()},
-        "hardware": {"nodes": cfg.nodes, "gpus_per_node": cfg.gpus_per_node, "world": world,
+        hardware={"nodes": cfg.nodes, "gpus_per_node": cfg.gpus_per_node, "world": world,
                      "gpu_memory_gib": cfg.gpu_memory_gib, "reserve_gib": cfg.reserve_gib,
                      "usable_gib": usable / GIB, "peak_tflops": cfg.peak_tflops, "mfu": cfg.mfu},
-        "job": {"micro_batch": micro_batch, "seq_len": seq_len, "ttt_steps": cfg.ttt.ttt_steps, "dtype": dtype,
+        job={"micro_batch": micro_batch, "seq_len": seq_len, "ttt_steps": cfg.ttt.ttt_steps, "dtype": dtype,
                 "optimizer": cfg.train.optimizer, "draft_vocab_size": draft.draft_vocab_size,
                 "draft_params": draft_params(draft), "trainable_params": trainable_params(draft)},
-        "data": {"conversations": data.conversations, "train_conversations": train_conversations,
+        data={"conversations": data.conversations, "train_conversations": train_conversations,
                  "tokens_per_conversation": data.tokens_per_conversation,
                  "tokens_per_epoch": train_conversations * data.tokens_per_conversation,
                  "loss_fraction": data.loss_fraction, "estimate": data.how},
-        "disk": {"cache_bytes_per_token": per_token, "cache_disk_gib": disk / GIB,
+        disk={"cache_bytes_per_token": per_token, "cache_disk_gib": disk / GIB,
                  "storage_dtype": cfg.cache.storage_dtype},
-        "memory": {mode_: {f"zero{s}": (None if m is None else {
+        memory={mode_: {f"zero{s}": (None if m is None else {
             "total_gib": m.total / GIB, "fits": m.total <= usable, "peak_at": m.moment,
             "terms_gib": {k: v / GIB for k, v in m.terms.items()},
             "moments_gib": {k: v / GIB for k, v in m.moments.items()},
         }) for s, m in stages.items()} for mode_, stages in table.items()},
-        "activations_saved_gib": {k: v / GIB for k, v in ttt_saved_bytes(job).items()},
-        "compute": compute,
-        "recommendation": recommendation,
-    }
+        activations_saved_gib={k: v / GIB for k, v in ttt_saved_bytes(job).items()},
+        compute=compute,
+        recommendation=recommendation,
+    )
 
 
 def _stage_reason(stage: int, table: dict[int, Memory | None], usable: float) -> str:
@@ -506,10 +536,10 @@ def _active_words(v: dict[str, Any]) -> str:
     return f", {active / 1e9:.2f} B active per token" if active != v["params"] else ""
 
 
-def render(plan: dict[str, Any]) -> str:
-    v, hw, job, data, disk = plan["verifier"], plan["hardware"], plan["job"], plan["data"], plan["disk"]
+def render(plan: JobPlan) -> str:
+    v, hw, job, data, disk = plan.verifier, plan.hardware, plan.job, plan.data, plan.disk
     s = v["shape"]
-    rec, comp = plan["recommendation"], plan["compute"]
+    rec, comp = plan.recommendation, plan.compute
     p = job["draft_params"]
     lines = [
         f"job       {v['name']} on {hw['nodes']} node(s) x {hw['gpus_per_node']} GPU(s), {hw['gpu_memory_gib']:g} GiB "
@@ -538,7 +568,7 @@ def render(plan: dict[str, Any]) -> str:
         "memory per GPU (GiB)" + "".join(f"{f'zero{st}':>10}" for st in STAGES)
         + "    (zero0: DDP, or one process on one GPU)",
     ]
-    offline, online = plan["memory"]["offline"], plan["memory"]["online"]
+    offline, online = plan.memory["offline"], plan.memory["online"]
 
     def cells(table: dict[str, Any], fn: Any) -> str:
         return "".join(f"{('n/a' if table[f'zero{st}'] is None else fn(table[f'zero{st}'])):>10}" for st in STAGES)
@@ -559,7 +589,7 @@ def render(plan: dict[str, Any]) -> str:
         f"activations saved for the backward (GiB, {job['ttt_steps']} TTT steps, micro-batch {job['micro_batch']} x "
         f"{job['seq_len']:,})",
     ]
-    for term, value in sorted(plan["activations_saved_gib"].items(), key=lambda kv: -kv[1]):
+    for term, value in sorted(plan.activations_saved_gib.items(), key=lambda kv: -kv[1]):
         lines.append(f"  {value:8.2f}  {term}")
     hours = (lambda x: "n/a" if x is None else f"{x:.3g}")
     lines += [
@@ -603,11 +633,8 @@ def _row(label: str, value: str, note: str = "") -> str:
     return f"  {label:<26}{value:>14}" + (f"   {note}" if note else "")
 
 
-def run(cfg: PlanJobConfig) -> dict[str, Any]:
+def run(cfg: PlanJobConfig) -> JobPlan:
     plan = make_plan(cfg)
     print(render(plan), flush=True)
-    out = cfg.plan_dir
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "plan.json", json.dumps(plan, indent=2))
-    print(f"\nplan.json: {out / 'plan.json'}")
+    print(f"\n{JobPlan.FILE}: {plan.save(cfg.plan_dir)}")
     return plan

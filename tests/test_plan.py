@@ -22,7 +22,7 @@ from fledge.models.shapes import KNOWN_SHAPES, VerifierShape, read_gguf_header, 
 from fledge.models.verifier import VerifierConfig, embedded_gguf
 from fledge.plan.bench import LiveBytes, PlanBenchConfig, draft_of
 from fledge.plan.bench import run as bench_run
-from fledge.plan.job import estimate_data, make_plan
+from fledge.plan.job import JobPlan, estimate_data, make_plan
 from fledge.plan.memory import (
     GIB,
     REDUCE_BUCKET,
@@ -314,7 +314,7 @@ def test_shapes_come_from_a_folder_the_table_or_the_user(tiny_verifier_dir):
 
 
 # -------------------------------------------------------------------------------------------------- the plan
-def plan_of(*overrides: str) -> dict:
+def plan_of(*overrides: str) -> JobPlan:
     return make_plan(compose_config("plan", list(overrides)))
 
 
@@ -340,10 +340,25 @@ def test_time_per_epoch_is_flops_over_the_gpus_rate():
     plan = plan_of(*base)
     draft = Eagle3Config(4096, 14336, 32, 8, 128, 128256, 32000, 4096)
     expected = 1000 * draft_flops(draft, 2000, 7) / (8 * 989e12 * 0.4) / 3600
-    assert plan["compute"]["time_per_epoch_offline_h"] == pytest.approx(expected)
+    assert plan.compute["time_per_epoch_offline_h"] == pytest.approx(expected)
     twice = plan_of(*base, "nodes=2")
-    assert twice["compute"]["time_per_epoch_offline_h"] == pytest.approx(expected / 2)
-    assert twice["disk"]["cache_disk_gib"] == pytest.approx((1000 * 2000 * (32 * 1024 + 5) + 16 * 1000) / GIB)
+    assert twice.compute["time_per_epoch_offline_h"] == pytest.approx(expected / 2)
+    assert twice.disk["cache_disk_gib"] == pytest.approx((1000 * 2000 * (32 * 1024 + 5) + 16 * 1000) / GIB)
+
+
+def test_the_plan_file_reads_back_through_its_type(tmp_path):
+    plan = plan_of("preset=qwen3-8b", "conversations=100", "tokens_per_conversation=500")
+    file = plan.save(tmp_path)
+    raw = json.loads(file.read_text())
+    assert file.name == "plan.json" and raw["format"] == JobPlan.FORMAT
+    assert JobPlan.load(tmp_path).to_json() == raw == json.loads(json.dumps(plan.to_json()))
+    older = {k: v for k, v in raw.items() if k != "format"}  # written before plans had a format
+    (tmp_path / "older.json").write_text(json.dumps(older))
+    assert JobPlan.load(tmp_path / "older.json").recommendation == raw["recommendation"]
+    for name, bad in (("later", {**raw, "format": JobPlan.FORMAT + 1}), ("other", {"sets": {}})):
+        (tmp_path / f"{name}.json").write_text(json.dumps(bad))
+        with pytest.raises(ConfigError, match=f"{name}.json is not a fledge plan this fledge reads .*up to 1"):
+            JobPlan.load(tmp_path / f"{name}.json")
 
 
 LONG = "data.max_length=16384"
@@ -354,7 +369,7 @@ def test_a_job_too_large_for_its_gpus_says_so_and_names_what_fits():
     # keeps no [T, T] tensor), so the job needs larger GPUs or a shorter length
     plan = plan_of("preset=llama3.3-70b-instruct", "mode=online", "conversations=1000",
                    "tokens_per_conversation=2000", LONG)
-    rec = plan["recommendation"]
+    rec = plan.recommendation
     assert not rec["fits"] and rec["mode"] == "online"
     text = "\n".join(rec["what_would_fit"])
     assert "the verifier alone takes 131.4 GiB" in text and "over 2 GPUs per replica" in text
@@ -368,17 +383,17 @@ def test_a_job_too_large_for_its_gpus_says_so_and_names_what_fits():
     offline_length = int(offline_line.split("offline data.max_length=")[1].split()[0])
     # offline, the same job fits 141 GiB GPUs, and the suggested length is the longest that fits 80 GiB ones
     assert plan_of("preset=llama3.3-70b-instruct", "conversations=1000", "tokens_per_conversation=2000", LONG,
-                   "gpu_memory_gib=141")["recommendation"]["fits"]
+                   "gpu_memory_gib=141").recommendation["fits"]
     offline = plan_of("preset=llama3.3-70b-instruct", "conversations=1000", "tokens_per_conversation=2000", LONG)
-    assert not offline["recommendation"]["fits"]
-    length = int(next(line for line in offline["recommendation"]["what_would_fit"]
+    assert not offline.recommendation["fits"]
+    length = int(next(line for line in offline.recommendation["what_would_fit"]
                       if line.startswith("data.max_length=")).split()[0].split("=")[1])
     assert length == offline_length  # the online plan's offline alternative is the offline plan's
     at = plan_of("preset=llama3.3-70b-instruct", "conversations=1000", "tokens_per_conversation=2000",
                  f"data.max_length={length}")
     above = plan_of("preset=llama3.3-70b-instruct", "conversations=1000", "tokens_per_conversation=2000",
                     f"data.max_length={length + 1}")
-    assert at["memory"]["offline"]["zero3"]["fits"] and not above["memory"]["offline"]["zero3"]["fits"]
+    assert at.memory["offline"]["zero3"]["fits"] and not above.memory["offline"]["zero3"]["fits"]
 
 
 def fledge(*args: str) -> subprocess.CompletedProcess:
@@ -400,16 +415,17 @@ def test_the_cli_prints_the_plan_of_each_preset(preset, tmp_path):
     rows = {line.split()[0]: line.split()[1:] for line in done.stdout.splitlines() if line.startswith("  ")
             and line.split()}
     assert all(label in rows for label in LABELS), done.stdout
-    plan = json.loads((tmp_path / "plan.json").read_text())
-    assert rows["total_offline_gib"] == [f"{plan['memory']['offline'][f'zero{s}']['total_gib']:.2f}" for s in range(4)]
-    assert rows["recommended_mode"] == [plan["recommendation"]["mode"]]
-    assert plan["data"]["conversations"] > 10_000  # ShareGPT stands in for regenerate's answers
+    assert json.loads((tmp_path / "plan.json").read_text())["format"] == JobPlan.FORMAT
+    plan = JobPlan.load(tmp_path)  # read back through its type
+    assert rows["total_offline_gib"] == [f"{plan.memory['offline'][f'zero{s}']['total_gib']:.2f}" for s in range(4)]
+    assert rows["recommended_mode"] == [plan.recommendation["mode"]]
+    assert plan.data["conversations"] > 10_000  # ShareGPT stands in for regenerate's answers
     hidden = {"llama3.3-70b-instruct": 8192, "qwen3-30b-a3b": 2048}.get(preset, 4096)
     assert int(rows["cache_bytes_per_token"][0].replace(",", "")) == 4 * hidden * 2 + 5
     assert rows["recommended_fits"] == ["yes"]
     if preset == "qwen3-30b-a3b":  # a mixture of experts: memory of every parameter, FLOPs of the active ones
         assert "128 experts of MLP 768, 8 per token" in done.stdout and "3.35 B active per token" in done.stdout
-        assert plan["verifier"]["params"] == 30_532_110_336 and plan["verifier"]["active_params"] == 3_353_020_416
+        assert plan.verifier["params"] == 30_532_110_336 and plan.verifier["active_params"] == 3_353_020_416
 
 
 def test_bad_input_is_one_line_and_status_2():
