@@ -86,3 +86,16 @@ def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
         while block := fh.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def renamed_file(folder: str | Path, name: str, old: str) -> Path:
+    """The path to read ``name`` in ``folder`` from: ``folder/old`` where only a file of that older name is there (a
+    folder an earlier fledge wrote), else ``folder/name``. Writers write ``name`` and remove ``old``
+    (``retire_old_name``), so a folder holds one of them."""
+    folder = Path(folder)
+    return folder / old if not (folder / name).exists() and (folder / old).is_file() else folder / name
+
+
+def retire_old_name(folder: str | Path, old: str) -> None:
+    """Remove the older name of a file once its current name is written (``renamed_file``)."""
+    (Path(folder) / old).unlink(missing_ok=True)

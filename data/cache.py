@@ -2,7 +2,8 @@
 
 Layout of a cache directory::
 
-    plan.json                    what is being cached (identity + shard plan); written first, checked on resume
+    cache_plan.json              what is being cached (identity + shard plan); written first, checked on resume
+                                 (``plan.json`` in caches of fledge before 2026-12-05, still read)
     draft_vocab.safetensors      d2t / t2d / token counts
     shards/shard-00012.safetensors   input_ids, loss_mask, aux [N,3H], final [N,H], offsets, index
     shards/shard-00012.json      sidecar: checksum and sizes; written after the shard, so it marks it complete
@@ -37,11 +38,13 @@ from tqdm import tqdm
 
 from fledge.core.dist import dist_info
 from fledge.core.errors import ConfigError, FledgeError
-from fledge.core.files import atomic_write, atomic_write_text, sha256_file
+from fledge.core.files import atomic_write, atomic_write_text, renamed_file, sha256_file
 from fledge.models.verifier import DTYPES
 
 FORMAT_VERSION = 1
 SHARD_DIR = "shards"
+CACHE_PLAN = "cache_plan.json"
+OLD_CACHE_PLAN = "plan.json"
 
 
 class CacheError(FledgeError, RuntimeError):
@@ -336,7 +339,7 @@ class CacheReader:
         self.path = Path(path)
         manifest_path = self.path / "manifest.json"
         if not manifest_path.is_file():
-            if (self.path / "plan.json").is_file():
+            if renamed_file(self.path, CACHE_PLAN, OLD_CACHE_PLAN).is_file():
                 raise CacheError(f"{self.path}: incomplete (no manifest.json)", fix="rerun `fledge cache` to finish it")
             raise CacheError(f"{self.path}: not a fledge cache", fix="build one with `fledge cache cache.dir=...`")
         self.manifest: dict[str, Any] = json.loads(manifest_path.read_text())

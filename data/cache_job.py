@@ -23,9 +23,11 @@ from tqdm import tqdm
 
 from fledge.core.dist import DistInfo, barrier, process_group
 from fledge.core.errors import ConfigError, MismatchError
-from fledge.core.files import atomic_write_text
+from fledge.core.files import atomic_write_text, renamed_file, retire_old_name
 from fledge.data.cache import (
+    CACHE_PLAN,
     FORMAT_VERSION,
+    OLD_CACHE_PLAN,
     SHARD_DIR,
     CacheConfig,
     CacheError,
@@ -180,7 +182,7 @@ def prepare(cfg: CacheJobConfig, info: DistInfo, device: torch.device) -> Prepar
 
 def claim_directory(cache_dir: Path, plan_record: dict[str, Any], overwrite: bool) -> bool:
     """Bind ``cache_dir`` to this plan (rank 0). True when the cache is already complete."""
-    plan_path = cache_dir / "plan.json"
+    plan_path = renamed_file(cache_dir, CACHE_PLAN, OLD_CACHE_PLAN)
     if plan_path.is_file():
         old = json.loads(plan_path.read_text())
         differs = [k for k in plan_record if old.get(k) != plan_record[k] and k != "config_hash"]
@@ -192,14 +194,15 @@ def claim_directory(cache_dir: Path, plan_record: dict[str, Any], overwrite: boo
                 )
             log.warning("cache.overwrite=true: replacing %s (%s differ)", cache_dir, ", ".join(differs))
             shutil.rmtree(cache_dir / SHARD_DIR, ignore_errors=True)
-            for name in ("manifest.json", "plan.json", "draft_vocab.safetensors"):
+            for name in ("manifest.json", CACHE_PLAN, OLD_CACHE_PLAN, "draft_vocab.safetensors"):
                 (cache_dir / name).unlink(missing_ok=True)
         elif (cache_dir / "manifest.json").is_file():
             return True
     elif cache_dir.exists() and any(not p.name.startswith(".") for p in cache_dir.iterdir()) and not overwrite:
         raise CacheError(f"{cache_dir} exists and is not a fledge cache", fix="choose another cache.dir")
     (cache_dir / SHARD_DIR).mkdir(parents=True, exist_ok=True)
-    atomic_write_text(plan_path, json.dumps(plan_record, indent=1))
+    atomic_write_text(cache_dir / CACHE_PLAN, json.dumps(plan_record, indent=1))
+    retire_old_name(cache_dir, OLD_CACHE_PLAN)
     return False
 
 
@@ -335,7 +338,7 @@ def manifest_record(cfg: CacheJobConfig, prep: Prepared, shards: list[dict[str, 
 
 def already_complete(cache_dir: Path, cfg: CacheJobConfig) -> bool:
     """Cheap rerun check (no tokenisation): a manifest exists and was written for this very configuration."""
-    plan_path, manifest_path = cache_dir / "plan.json", cache_dir / "manifest.json"
+    plan_path, manifest_path = renamed_file(cache_dir, CACHE_PLAN, OLD_CACHE_PLAN), cache_dir / "manifest.json"
     if not (plan_path.is_file() and manifest_path.is_file()):
         return False
     fingerprint = weight_fingerprint(resolve_verifier_dir(cfg.verifier))

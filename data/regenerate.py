@@ -9,9 +9,9 @@ reads like any other source.
 Conversations are length-sorted and split into parts of ``batch_size``; each part is generated as one left-padded
 batch per turn and written atomically to ``parts/part-XXXXX.jsonl``. A rerun skips complete parts, so a killed run
 resumes, and under ``torchrun`` rank r generates the parts ``p % world_size == r``. Rank 0 then merges the parts, in
-the source's order, into ``conversations.jsonl`` and writes ``manifest.json``. ``plan.json`` binds the folder to its
-inputs (verifier weights, prompts, sampling settings, engine): a different input is refused, or replaced with
-``overwrite=true``.
+the source's order, into ``conversations.jsonl`` and writes ``manifest.json``. ``regenerate_plan.json`` binds the
+folder to its inputs (verifier weights, prompts, sampling settings, engine): a different input is refused, or
+replaced with ``overwrite=true``.
 
 Two engines decode: ``engine=hf`` (default), fledge's own batched loop over the Hugging Face model in this process, and
 ``engine=vllm``, vLLM's offline batch API in vLLM's own environment (``data/vllm_engine.py``; ``make vllm-env``). Both
@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from fledge.core.dist import DistInfo, barrier, process_group
 from fledge.core.errors import ConfigError, FledgeError
-from fledge.core.files import atomic_write_text
+from fledge.core.files import atomic_write_text, renamed_file, retire_old_name
 from fledge.data.sources import Conversation, DataConfig, load_conversations
 from fledge.data.template import render, stop_token_ids
 from fledge.decode.loop import generate
@@ -57,6 +57,9 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 PART_DIR = "parts"
+REGENERATE_PLAN = "regenerate_plan.json"
+OLD_REGENERATE_PLAN = "plan.json"
+"""What binds the folder to its inputs; ``plan.json`` in folders of fledge before 2026-12-05 (still read)."""
 
 
 class RegenerateError(FledgeError, RuntimeError):
@@ -66,7 +69,7 @@ class RegenerateError(FledgeError, RuntimeError):
 @dataclass
 class RegenerateOptions:
     out_dir: str = "runs/regen"
-    """Holds plan.json, parts/, and at the end conversations.jsonl and manifest.json."""
+    """Holds regenerate_plan.json, parts/, and at the end conversations.jsonl and manifest.json."""
     batch_size: int = 32
     """Conversations generated together (one left-padded batch per turn); also the unit of resumption."""
     max_new_tokens: int = 512
@@ -311,10 +314,11 @@ def _plan_record(cfg: RegenerateJobConfig, name: str, fingerprint: str, prompts:
 
 
 def claim(out_dir: Path, record: dict[str, Any], overwrite: bool) -> None:
-    plan = out_dir / "plan.json"
+    plan = renamed_file(out_dir, REGENERATE_PLAN, OLD_REGENERATE_PLAN)
     if plan.is_file():
         old = json.loads(plan.read_text())
         if old == record:
+            plan.replace(out_dir / REGENERATE_PLAN)  # a folder of an earlier fledge takes the current name
             return
         if not overwrite:
             diff = sorted(k for k in set(old) | set(record) if old.get(k) != record.get(k))
@@ -325,7 +329,8 @@ def claim(out_dir: Path, record: dict[str, Any], overwrite: bool) -> None:
         log.warning("%s was made for other inputs; overwriting", out_dir)
         shutil.rmtree(out_dir)
     (out_dir / PART_DIR).mkdir(parents=True, exist_ok=True)
-    atomic_write_text(plan, json.dumps(record, indent=1))
+    atomic_write_text(out_dir / REGENERATE_PLAN, json.dumps(record, indent=1))
+    retire_old_name(out_dir, OLD_REGENERATE_PLAN)
 
 
 def merge(out_dir: Path, part_ids: list[int], record: dict[str, Any], seconds: float, new_tokens: int = 0,

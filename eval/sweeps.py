@@ -1,6 +1,6 @@
 """What sweeps and budgets bought, as tables and plots: a Hydra sweep's jobs (``fledge sweep table``) and whole runs
 at several budgets (``fledge sweep budget``), each joining what was trained (a run's ``metrics.jsonl``, a
-quickstart's ``plan.json``) with what ``fledge eval`` measured on its draft (``report.json``). The commands
+quickstart's ``budget.json``) with what ``fledge eval`` measured on its draft (``report.json``). The commands
 themselves, and the sweep's job records, are in ``launch/sweep.py``."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from fledge.core.errors import ConfigError
+from fledge.core.files import renamed_file
 from fledge.core.sweep import SWEEP_FILE, sweep_jobs
 from fledge.eval.metrics import REFERENCE_DRAFTER
 from fledge.eval.report import EvalReport
@@ -156,17 +157,21 @@ def plot_tau(rows: list[dict[str, Any]], path: Path) -> Path | None:
 
 # ---- what a larger budget buys: whole runs, not one sweep's jobs
 
-PLAN_FILE = "plan.json"
-"""What ``fledge quickstart`` writes into its run folder: the budget, the plan's sizes and plan against actual."""
+BUDGET_FILE = "budget.json"
+"""What ``fledge quickstart`` writes into its run folder (``plan/budget.py: BudgetPlan``): the budget, the plan's
+sizes and plan against actual."""
+OLD_BUDGET_FILE = "plan.json"
+"""Its name in run folders of fledge before 2026-12-05 (still read)."""
 
 
 def _runs_and_reports(folders: list[Path]) -> tuple[list[dict[str, Any]], list[tuple[Path, EvalReport]]]:
-    """Split the folders given into runs (a quickstart run folder, with ``plan.json``; or a training output, with
+    """Split the folders given into runs (a quickstart run folder, with ``budget.json``; or a training output, with
     ``metrics.jsonl``) and evaluations (a folder with ``report.json`` and no plan)."""
     runs, reports = [], []
     for folder in folders:
-        if (folder / PLAN_FILE).is_file():
-            plan = json.loads((folder / PLAN_FILE).read_text())
+        budget = renamed_file(folder, BUDGET_FILE, OLD_BUDGET_FILE)
+        if budget.is_file():
+            plan = json.loads(budget.read_text())
             runs.append({"folder": folder, "draft": folder / "train", "plan": plan})
             if (folder / "eval" / "report.json").is_file():
                 reports.append((folder / "eval", EvalReport.load(folder / "eval")))
@@ -175,12 +180,12 @@ def _runs_and_reports(folders: list[Path]) -> tuple[list[dict[str, Any]], list[t
         elif (folder / "report.json").is_file():
             reports.append((folder, EvalReport.load(folder)))
         else:
-            raise ConfigError(f"{folder} is neither a run nor an evaluation (no {PLAN_FILE}, metrics.jsonl or "
+            raise ConfigError(f"{folder} is neither a run nor an evaluation (no {BUDGET_FILE}, metrics.jsonl or "
                               "report.json)",
                               fix="give quickstart run folders, training output folders and fledge eval out_dirs")
     if not runs:
         raise ConfigError("no run among the folders given",
-                          fix="give at least one quickstart run folder (with plan.json) or training output folder")
+                          fix=f"give at least one quickstart run folder (with {BUDGET_FILE}) or training output folder")
     return runs, reports
 
 

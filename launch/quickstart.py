@@ -85,17 +85,18 @@ def _given_size(cfg: QuickstartConfig, stage: str) -> float | None:
 
 
 def budget_plan(cfg: QuickstartConfig) -> BudgetPlan:
-    """The run's plan: the one in ``plan.json`` when it was made for the same budget and overrides (a rerun), else
+    """The run's plan: the one in ``budget.json`` when it was made for the same budget and overrides (a rerun), else
     a new one from a probe of this box."""
     from fledge.launch.cli import compose_config
 
-    path = Path(cfg.run_dir) / "plan.json"
+    path = BudgetPlan.file_in(cfg.run_dir)
     key = _stamp([cfg.budget_minutes, *[getattr(cfg, s) for s in STAGE_ORDER]])
     if not cfg.force and path.is_file():
         plan = BudgetPlan.load(path)
         if plan.key == key:
             log.info("quickstart: reusing the plan in %s", path)
             plan.started = time.time() - sum(plan.actual_s.values())  # the clock of this invocation
+            plan.save_in(Path(cfg.run_dir))  # under its current name (a folder of an older fledge has plan.json)
             return plan
     fixed = {s: v for s in SIZE_KEYS if (v := _given_size(cfg, s)) is not None}
     cache_job, train_job = compose_config("cache", cfg.cache), compose_config("train", cfg.train)
@@ -107,7 +108,7 @@ def budget_plan(cfg: QuickstartConfig) -> BudgetPlan:
     plan.started = time.time() - rates.probe_seconds
     plan.key = key
     plan.actual_s["probe"] = rates.probe_seconds
-    plan.save(path)
+    plan.save_in(Path(cfg.run_dir))
     return plan
 
 
@@ -169,7 +170,7 @@ def run_pipeline(cfg: QuickstartConfig) -> dict[str, Any]:
         done.write_text(json.dumps({"stamp": stamp, "seconds": seconds}))
         if plan is not None:
             plan.actual_s[stage] = seconds
-            plan.save(run_dir / "plan.json")
+            plan.save_in(run_dir)
     (run_dir / "timings.json").write_text(json.dumps(timings, indent=1))
     return {"timings": timings, "results": results, "plan": plan}
 

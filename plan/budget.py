@@ -7,7 +7,7 @@ so that the whole pipeline ends within the budget. A fast box gets more data and
 
 The plan is revised as the run goes: after the cache, the epochs are recomputed from the time left and the
 cache's actual speed (a box slower than its probe is slower for training too), and training carries a time limit
-as a safety net; after training, the number of eval prompts is recomputed the same way. ``plan.json`` in the run
+as a safety net; after training, the number of eval prompts is recomputed the same way. ``budget.json`` in the run
 folder records the plan and each revision, so that a rerun reuses it (and skips the finished stages) instead of
 measuring again; ``fledge quickstart`` prints the plan before starting and plan-vs-actual at the end.
 
@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from fledge.core.errors import ConfigError
-from fledge.core.files import atomic_write_text
+from fledge.core.files import atomic_write_text, renamed_file, retire_old_name
+from fledge.eval.sweeps import BUDGET_FILE, OLD_BUDGET_FILE
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ EVAL_SHARE = 0.15
 # (docs/experiments/2026-12-01-budget-and-levers.md).
 STAGE_FIXED_S = {"cache": 20.0, "train": 25.0, "eval": 45.0, "export": 5.0}
 BUDGET_FORMAT = 1
-"""The layout of the run folder's ``plan.json`` (``BudgetPlan``)."""
+"""The layout of the run folder's ``budget.json`` (``BudgetPlan``)."""
 
 
 @dataclass
@@ -114,6 +115,16 @@ class BudgetPlan:
     # ---- persistence
     def save(self, path: Path) -> None:
         atomic_write_text(path, json.dumps(asdict(self), indent=1))
+
+    def save_in(self, run_dir: Path) -> None:
+        """Write the run folder's ``budget.json`` (an older ``plan.json`` there is removed)."""
+        self.save(Path(run_dir) / BUDGET_FILE)
+        retire_old_name(run_dir, OLD_BUDGET_FILE)
+
+    @staticmethod
+    def file_in(run_dir: str | Path) -> Path:
+        """The run folder's plan: ``budget.json``, or ``plan.json`` in a folder of fledge before 2026-12-05."""
+        return renamed_file(run_dir, BUDGET_FILE, OLD_BUDGET_FILE)
 
     @classmethod
     def load(cls, path: Path) -> BudgetPlan:

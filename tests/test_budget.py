@@ -79,10 +79,10 @@ def test_revisions_follow_the_boxs_real_speed():
 
 def test_a_plan_round_trips_through_json(tmp_path):
     plan = fit_budget(20, rates(1), LENGTHS[:50], eval_rows=5, eval_new_tokens=96, fixed={"train": 3.0})
-    plan.save(tmp_path / "plan.json")
-    again = BudgetPlan.load(tmp_path / "plan.json")
+    plan.save(tmp_path / "budget.json")
+    again = BudgetPlan.load(tmp_path / "budget.json")
     assert again.sizes == plan.sizes and again.rates == plan.rates
-    record = json.loads((tmp_path / "plan.json").read_text())
+    record = json.loads((tmp_path / "budget.json").read_text())
     assert record["format"] == 1
     # a plan written before formats were numbered reads alike; a later format or an unknown field is refused
     (tmp_path / "old.json").write_text(json.dumps({k: v for k, v in record.items() if k != "format"}))
@@ -116,11 +116,14 @@ def test_the_quickstart_under_a_budget_on_a_tiny_verifier(tmp_path, tiny_verifie
     assert set(plan.actual_s) == {"probe", "cache", "train", "eval"}
     manifest = json.loads((run / "cache" / "manifest.json").read_text())
     assert manifest["num_conversations"] == 40
-    saved = json.loads((run / "plan.json").read_text())
+    saved = json.loads((run / "budget.json").read_text())
     assert saved["sizes"] == plan.sizes and saved["key"]
     # the evaluation carries what the budget has left as its time limit
     limit = json.loads((run / "eval" / "report.json").read_text())["config"]["time_limit_minutes"]
     assert 0.5 <= limit <= 3
-    # A rerun reuses the plan (no new probe) and skips every finished stage.
+    # A rerun reuses the plan (no new probe) and skips every finished stage, also from a folder of fledge before
+    # budget.json had its name; the plan is then written under the current name only.
+    (run / "budget.json").rename(run / "plan.json")
     again = run_pipeline(cfg)
     assert again["plan"].rates == plan.rates and all(t["skipped"] for t in again["timings"].values())
+    assert (run / "budget.json").is_file() and not (run / "plan.json").exists()

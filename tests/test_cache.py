@@ -101,6 +101,28 @@ def test_rerun_of_a_complete_cache_does_nothing(built, tiny_verifier_dir):
     assert before == {p: p.stat().st_mtime_ns for p in (cache_dir / "shards").iterdir()}
 
 
+def test_a_cache_of_an_earlier_fledge_reads_reruns_and_resumes(built, tiny_verifier_dir, tmp_path):
+    # its plan was plan.json before 2026-12-05
+    source, clean = built
+    old = tmp_path / "old"
+    shutil.copytree(clean, old)
+    (old / "cache_plan.json").rename(old / "plan.json")
+    assert len(CacheReader(old)) == len(CacheReader(clean))
+    before = {p: p.stat().st_mtime_ns for p in (old / "shards").iterdir()}
+    run_stage("cache", cache_overrides(tiny_verifier_dir, source, old))  # complete: nothing to do
+    assert before == {p: p.stat().st_mtime_ns for p in (old / "shards").iterdir()}
+    # an unfinished one resumes, and its plan takes the current name
+    (old / "manifest.json").unlink()
+    last = sorted((old / "shards").glob("shard-*"))[-2:]
+    for path in last:
+        path.unlink()
+    with pytest.raises(CacheError, match="incomplete"):
+        CacheReader(old)
+    run_stage("cache", cache_overrides(tiny_verifier_dir, source, old))
+    assert shard_bytes(old) == shard_bytes(clean)
+    assert (old / "cache_plan.json").is_file() and not (old / "plan.json").exists()
+
+
 @pytest.mark.parametrize("fault", ["after_shard:2", "before_rename:3"])
 def test_killed_run_resumes_to_identical_shards(built, tiny_verifier_dir, tmp_path, fault):
     source, clean = built

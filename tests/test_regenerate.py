@@ -132,8 +132,10 @@ def test_regenerate_answers_every_turn_with_the_verifier(tmp_path, tiny_verifier
     manifest = json.loads((cache_dir / "manifest.json").read_text())
     assert manifest["num_conversations"] == 10 and manifest["num_loss_tokens"] > 0
 
-    # a rerun does nothing; other inputs in the same folder are refused, or replace it on request
+    # a rerun does nothing; other inputs in the same folder are refused, or replace it on request. The folder here is
+    # one of fledge before regenerate_plan.json had its name: its plan.json is read the same way.
     before = out.stat().st_mtime_ns
+    (tmp_path / "regen" / "regenerate_plan.json").rename(tmp_path / "regen" / "plan.json")
     run_stage("regenerate", regen_overrides(tiny_verifier_dir, source, tmp_path / "regen"))
     assert out.stat().st_mtime_ns == before
     with pytest.raises(RegenerateError, match="options"):
@@ -141,6 +143,7 @@ def test_regenerate_answers_every_turn_with_the_verifier(tmp_path, tiny_verifier
     run_stage("regenerate", regen_overrides(tiny_verifier_dir, source, tmp_path / "regen",
                                             **{"regenerate.max_new_tokens": 5, "regenerate.overwrite": "true"}))
     assert json.loads((tmp_path / "regen" / "manifest.json").read_text())["options"]["max_new_tokens"] == 5
+    assert (tmp_path / "regen" / "regenerate_plan.json").is_file() and not (tmp_path / "regen" / "plan.json").exists()
 
 
 def test_answers_never_pass_max_length_and_first_turn_only(tmp_path, tiny_verifier_dir, source, verifier):

@@ -76,14 +76,15 @@ def test_short_overrides_keep_the_last_key():
 
 
 def _quickstart_run(folder, budget_minutes, steps, tau, prompts):
-    """A quickstart run folder as ``fledge quickstart`` leaves it: plan.json, train/metrics.jsonl, eval/report.json."""
+    """A quickstart run folder as ``fledge quickstart`` leaves it: budget.json, train/metrics.jsonl,
+    eval/report.json."""
     rates = BoxRates(cache_tokens_per_s=800.0, train_tokens_per_s=1000.0, decode_tokens_per_s=17.0,
                      train_dtype="bf16", probe_seconds=50.0)
     plan = BudgetPlan(budget_minutes * 60, rates, [100, 200], eval_rows=10, eval_new_tokens=96,
                 sizes={"cache": 2, "train": 2.0, "eval": prompts},
                 actual_s={"probe": 50.0, "cache": 100.0, "train": 60.0 * steps, "eval": 90.0, "export": 1.0})
     folder.mkdir(parents=True)
-    plan.save(folder / "plan.json")
+    plan.save_in(folder)
     (folder / "train").mkdir()
     lines = [{"step": 0, "time": 1000.0}]
     lines += [{"step": s, "time": 1000.0 + 60.0 * s, "loss": 3.0, "tokens_seen": 1000 * s} for s in range(1, steps + 1)]
@@ -104,6 +105,7 @@ def _report(folder, draft, tau, prompts):
 def test_the_budget_table_joins_runs_with_their_largest_evaluation(tmp_path, capsys):
     _quickstart_run(tmp_path / "qs20", 20, steps=2, tau=1.5, prompts=5)
     _quickstart_run(tmp_path / "qs60", 60, steps=6, tau=1.7, prompts=9)
+    (tmp_path / "qs60" / "budget.json").rename(tmp_path / "qs60" / "plan.json")  # a run of fledge before the rename
     _report(tmp_path / "qs60_e24", tmp_path / "qs60" / "train", tau=1.9, prompts=24)  # the larger eval wins
 
     rows = budget_table([tmp_path / "qs20", tmp_path / "qs60", tmp_path / "qs60_e24"])

@@ -158,7 +158,7 @@ def assert_same_cache(got: Path, want: Path) -> None:
     """The same shards and sidecars, byte for byte, and the same manifest but for its date."""
     files = sorted(p.name for p in (want / "shards").iterdir())
     assert sorted(p.name for p in (got / "shards").iterdir()) == files and len(files) > 2
-    for name in files + ["../draft_vocab.safetensors", "../plan.json"]:
+    for name in files + ["../draft_vocab.safetensors", "../cache_plan.json"]:
         assert (got / "shards" / name).read_bytes() == (want / "shards" / name).read_bytes(), name
     manifests = [json.loads((d / "manifest.json").read_text()) for d in (got, want)]
     for m in manifests:
