@@ -89,16 +89,17 @@ class TuneJobConfig(DrafterSettings):
     run's cost is a mean over whatever else the machine was doing, which v(k)'s minimum filters out, so on a shared
     CPU o soaks up other processes' load (measured here once: o = 5.8 steps predicted 0.13x for a chain that then
     ran at 0.59x). On a quiet machine it adds the loop's bookkeeping beyond the bare forward."""
-    lookup_tokens: int = 5
-    """The longest lookup branch of a hybrid tree (``eval.num_draft_tokens`` in ``fledge eval``)."""
+    num_draft_tokens: int = 5
+    """The longest lookup branch of a hybrid tree, as ``eval.num_draft_tokens`` in ``fledge eval`` (tree rounds);
+    the chains tune predicts run up to ``n_max``."""
     measure_plain: bool = True
     """When plain decoding is recommended, still measure the best speculative shape so its prediction is checked."""
     out_dir: str | None = "runs/tune"
     """Where tune.json and the two eval reports go; None writes nothing."""
 
     def __post_init__(self) -> None:
-        if self.n_max < 1:
-            raise ConfigError(f"n_max must be >= 1, got {self.n_max}")
+        if self.n_max < 1 or self.num_draft_tokens < 1:
+            raise ConfigError(f"n_max and num_draft_tokens must be >= 1, got {self.n_max}, {self.num_draft_tokens}")
         if self.max_prompts < 1 or self.max_new_tokens < 1:
             raise ConfigError(f"max_prompts and max_new_tokens must be >= 1, got {self.max_prompts}, "
                              f"{self.max_new_tokens}")
@@ -200,11 +201,11 @@ def run(cfg: TuneJobConfig) -> dict[str, Any]:
         store = (load_datastore(cfg.hybrid_datastore, verifier.tokenizer, fingerprint=verifier.fingerprint)
                  if cfg.hybrid_datastore is not None else None)
         lookup = cfg.lookup(store)
-        branch = max([cfg.lookup_tokens, cfg.n_max] + [s.depth for s in shapes])
+        branch = max([cfg.num_draft_tokens, cfg.n_max] + [s.depth for s in shapes])
         encoded = [encode_prompt(verifier.tokenizer, p, cfg.chat_template_kwargs) for p in prompts]
         positions = hybrid_positions(entry["topk_rounds"], encoded, lookup, branch)
         options += [hybrid_chain_candidate(positions, n, cost) for n in range(1, cfg.n_max + 1)]
-        options += [hybrid_tree_candidate(positions, shape, max(shape.depth, cfg.lookup_tokens), cost, c_tree)
+        options += [hybrid_tree_candidate(positions, shape, max(shape.depth, cfg.num_draft_tokens), cost, c_tree)
                     for shape, c_tree in trees]
     choice = recommend(options)
     alphas = " ".join("-" if a is None else f"{a:.2f}" for a in entry["n_alpha"])

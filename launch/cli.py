@@ -29,7 +29,7 @@ from typing import Any, Callable
 # 1.15-1.35x faster steps (docs/experiments/2026-12-05-training-peak.md). THP_MEM_ALLOC_ENABLE=0 turns it off.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
-from fledge.core.errors import FledgeError  # noqa: E402
+from fledge.core.errors import ConfigError, FledgeError  # noqa: E402
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -46,6 +46,9 @@ class Stage:
     out_keys: tuple[str, ...] = ()
     """Config keys of the folders the stage writes. In a sweep (``-m``) each job writes them in its own job folder,
     ``runs/sweeps/<stage>/<time>/<job number>/``, unless the job's overrides set them."""
+    renamed: tuple[tuple[str, str], ...] = ()
+    """(old, new) keys the stage has renamed; a key ending in ``.`` is a section. An override of an old key is
+    refused with the new one (as a misspelt key would be refused, but saying which)."""
 
 
 # Sub-command -> stage. Two-word commands (``bench cache``) are keyed by their joined name. Each stage's job lives in
@@ -68,7 +71,8 @@ STAGES: dict[str, Stage] = {
         "cache throughput against a bare forward",
     ),
     "train": Stage(
-        "fledge.train.loop:TrainJobConfig", "fledge.train.loop:run", "train an EAGLE-3 draft", out_keys=("output_dir",)
+        "fledge.train.loop:TrainJobConfig", "fledge.train.loop:run", "train an EAGLE-3 draft", out_keys=("output_dir",),
+        renamed=(("eval.", "validation."),),  # before 2026-12-05: `eval.` meant fledge eval's settings elsewhere
     ),
     "bench_train": Stage(
         "fledge.train.bench:TrainBenchConfig", "fledge.train.bench:run", "training throughput and MFU"
@@ -76,6 +80,7 @@ STAGES: dict[str, Stage] = {
     "plan": Stage(
         "fledge.plan.job:PlanJobConfig", "fledge.plan.job:run",
         "disk, memory per GPU, FLOPs and hours of a job, from shapes alone", out_keys=("out_dir",),
+        renamed=(("eval.", "validation."),),
     ),
     "bench_plan": Stage(
         "fledge.plan.bench:PlanBenchConfig", "fledge.plan.bench:run",
@@ -88,6 +93,7 @@ STAGES: dict[str, Stage] = {
     "tune": Stage(
         "fledge.eval.tune_job:TuneJobConfig", "fledge.eval.tune_job:run",
         "recommend N or a tree from measured α and cost, then measure it", out_keys=("out_dir",),
+        renamed=(("lookup_tokens", "num_draft_tokens"),),  # fledge eval's name (eval.num_draft_tokens)
     ),
     "eval_exactness": Stage(
         "fledge.eval.exactness_job:ExactnessJobConfig", "fledge.eval.exactness_job:run",
@@ -134,12 +140,24 @@ def compose_config(name: str, overrides: list[str] | None = None) -> Any:
     from omegaconf import OmegaConf
 
     stage = STAGES[name]
+    refuse_renamed(name, overrides or [])
     register_schema(name, _load(stage.config))
     # A stage may run another (the quickstart runs them all): start from a clean Hydra each time.
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = compose(config_name=name, overrides=overrides or [])
     return OmegaConf.to_object(cfg)
+
+
+def refuse_renamed(name: str, overrides: list[str]) -> None:
+    """A ``ConfigError`` naming the new key for an override of a key the stage has renamed."""
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        for old, new in STAGES[name].renamed:
+            if key == old.rstrip(".") or (old.endswith(".") and key.startswith(old)):
+                now = new + key[len(old):] if old.endswith(".") else new
+                raise ConfigError(f"{command_name(name)}'s {key} is now {now}",
+                                  fix=f"pass {now}={override.split('=', 1)[1] if '=' in override else '...'}")
 
 
 def run_stage(name: str, overrides: list[str]) -> Any:

@@ -257,7 +257,7 @@ make_cache() {
 }
 
 TRAIN=(cache_dir="$RUN/cache" engine.kind=deepspeed engine.zero_stage=2 engine.device="$DEVICE"
-       train.micro_batch_size="$MICRO" train.warmup_steps=2 ttt.ttt_steps="$TTT" eval.holdout=4 eval.every=0
+       train.micro_batch_size="$MICRO" train.warmup_steps=2 ttt.ttt_steps="$TTT" validation.holdout=4 validation.every=0
        log.every=1 log.progress=false log.wandb_mode=disabled)
 
 tokens_per_s() {  # the median tokens/s of a run's steps after its second (warm-up, kernel choice)

@@ -106,8 +106,8 @@ class PlanJobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     ttt: TTTConfig = field(default_factory=TTTConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
-    eval: HeldOutConfig = field(default_factory=HeldOutConfig)
-    """``eval.holdout`` conversations are cached but not trained on."""
+    validation: HeldOutConfig = field(default_factory=HeldOutConfig)
+    """``validation.holdout`` conversations are cached but not trained on."""
     cache_dir: str | None = None
     """Read by ``fledge train`` only; here so that a training preset composes into the plan."""
     output_dir: str | None = None
@@ -382,8 +382,8 @@ def make_plan(cfg: PlanJobConfig) -> JobPlan:
     stage_of = {mode: choose_stage(table[mode], usable) for mode in table}
 
     # ---- compute
-    train_conversations = max(1, data.conversations - (cfg.eval.holdout if cfg.eval.holdout < data.conversations
-                                                       else 0))
+    held_out = cfg.validation.holdout if cfg.validation.holdout < data.conversations else 0
+    train_conversations = max(1, data.conversations - held_out)
     mean_draft = sum(draft_flops(draft, n, cfg.ttt.ttt_steps, data.loss_fraction) for n in data.lengths)
     mean_draft /= len(data.lengths)
     mean_verifier = sum(verifier_flops(shape, n) for n in data.lengths) / len(data.lengths)
@@ -556,7 +556,7 @@ def render(plan: JobPlan) -> str:
         "",
         "data",
         _row("conversations", f"{data['conversations']:,}", data["estimate"]),
-        _row("train_conversations", f"{data['train_conversations']:,}", "less eval.holdout"),
+        _row("train_conversations", f"{data['train_conversations']:,}", "less validation.holdout"),
         _row("tokens_per_conversation", f"{data['tokens_per_conversation']:,.0f}",
              "override with tokens_per_conversation=..."),
         _row("tokens_per_epoch", f"{data['tokens_per_epoch'] / 1e6:,.1f} M"),

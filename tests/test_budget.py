@@ -103,7 +103,7 @@ def test_the_quickstart_under_a_budget_on_a_tiny_verifier(tmp_path, tiny_verifie
         run_dir=str(run), stages=["cache", "train", "eval"], budget_minutes=3,
         cache=[f"cache.dir={run}/cache", *verifier, f"data.source={source}", "data.max_length=128",
                "cache.draft_vocab_size=128"],
-        train=[f"cache_dir={run}/cache", f"output_dir={run}/train", "eval.holdout=2", "eval.every=0",
+        train=[f"cache_dir={run}/cache", f"output_dir={run}/train", "validation.holdout=2", "validation.every=0",
                "ttt.ttt_steps=2", "log.wandb_mode=disabled", "log.progress=false"],
         eval=[f"draft={run}/train", *verifier, f"prompts=[{prompts}]", "eval.max_new_tokens=6",
               f"eval.out_dir={run}/eval", "eval.warmup_tokens=0", "wandb_mode=disabled"],

@@ -53,12 +53,27 @@ def test_config_errors_are_one_line_and_status_2(tmp_path):
         "fledge cache: error: Could not override 'cache.dirr'; Key 'dirr' not in 'CacheConfig' "
         "(fix: check the key and its value; `fledge cache --cfg job` prints them all)"
     ]
-    inconsistent = fledge("train", "eval.every=10", "eval.holdout=0")
+    inconsistent = fledge("train", "validation.every=10", "validation.holdout=0")
     assert inconsistent.returncode == 2
     [line] = error_lines(inconsistent.stderr)
-    assert line.startswith("fledge train: error: eval.every=10 needs held-out data")
+    assert line.startswith("fledge train: error: validation.every=10 needs held-out data")
     preset = fledge("train", "preset=qwen3-9b")
     assert preset.returncode == 2 and "Available options in 'preset': llama3.1-8b-instruct" in preset.stderr
+
+
+def test_a_renamed_key_is_refused_with_its_new_name():
+    from fledge.launch.cli import compose_config
+
+    old = fledge("train", "eval.holdout=4")
+    assert old.returncode == 2
+    assert error_lines(old.stderr) == ["fledge train: error: fledge train's eval.holdout is now validation.holdout "
+                                       "(fix: pass validation.holdout=4)"]
+    with pytest.raises(ConfigError, match="fledge plan's eval.every is now validation.every"):
+        compose_config("plan", ["eval.every=0"])
+    with pytest.raises(ConfigError, match="fledge tune's lookup_tokens is now num_draft_tokens"):
+        compose_config("tune", ["lookup_tokens=3"])
+    assert compose_config("tune", ["num_draft_tokens=3"]).num_draft_tokens == 3
+    assert compose_config("eval", ["eval.max_prompts=3"]).eval.max_prompts == 3  # fledge eval's `eval.` is its own
 
 
 def test_a_refused_resume_is_one_line_naming_the_field(tmp_path_factory, tmp_path, smollm_tokenizer):
@@ -72,6 +87,12 @@ def test_a_refused_resume_is_one_line_naming_the_field(tmp_path_factory, tmp_pat
     [line] = error_lines(done.stderr)
     assert line.startswith(f"fledge train: error: cannot resume from {out / 'checkpoints' / 'step-000002'}")
     assert "train.seed: checkpoint has 0, this run has 1" in line and "(fix: resume with the checkpoint's values" in line
+    # a checkpoint of fledge before `validation.` was named (its config says `eval:`) resumes: the same settings
+    saved = out / "checkpoints" / "step-000002" / "train_config.yaml"
+    saved.write_text(saved.read_text().replace("\nvalidation:\n", "\neval:\n"))
+    assert "\neval:\n" in saved.read_text()
+    resumed = run_stage("train", train_overrides(cache, out, **{"train.max_steps": 3}))
+    assert resumed.step == 3
 
 
 def test_training_refuses_a_verifier_with_other_weights(tmp_path, smollm_tokenizer):

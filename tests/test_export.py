@@ -398,7 +398,7 @@ def test_cache_train_export_check_import(tmp_path, smollm_tokenizer):
     run_stage("cache", [f"verifier.name_or_path={vdir}", "verifier.dtype=float32", f"data.source={convs}",
                         f"cache.dir={tmp_path / 'cache'}", "cache.draft_vocab_size=200", "data.max_length=256"])
     run_stage("train", [f"cache_dir={tmp_path / 'cache'}", f"output_dir={tmp_path / 'train'}", "train.max_steps=2",
-                        "eval.holdout=0", "eval.every=0"])
+                        "validation.holdout=0", "validation.every=0"])
     out = run_stage("export", [f"draft={tmp_path / 'train'}", "dtype=float32", "speculators=true"])
     assert out == tmp_path / "train" / "serving"
     assert check_checkpoint(out, vdir) == [] and check_checkpoint(speculators_dir(out), vdir) == []

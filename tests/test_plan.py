@@ -336,7 +336,7 @@ def test_data_is_counted_and_estimated_from_the_source(tmp_path):
 
 
 def test_time_per_epoch_is_flops_over_the_gpus_rate():
-    base = ["preset=llama3.1-8b-instruct", "conversations=1000", "tokens_per_conversation=2000", "eval.holdout=0"]
+    base = ["preset=llama3.1-8b-instruct", "conversations=1000", "tokens_per_conversation=2000", "validation.holdout=0"]
     plan = plan_of(*base)
     draft = Eagle3Config(4096, 14336, 32, 8, 128, 128256, 32000, 4096)
     expected = 1000 * draft_flops(draft, 2000, 7) / (8 * 989e12 * 0.4) / 3600

@@ -21,7 +21,8 @@ def test_a_training_sweep_its_evaluation_and_its_table(tmp_path_factory, tmp_pat
     sweep = tmp_path / "sweep"
     # output_dir is the fixtures' single-run folder; the sweep must not write there but into each job's folder.
     single = tmp_path / "never-written"
-    args = [a for a in train_overrides(cache, single, **{"train.max_steps": 2, "eval.holdout": 2, "eval.every": 2})]
+    args = [a for a in train_overrides(cache, single, **{"train.max_steps": 2, "validation.holdout": 2,
+                                                          "validation.every": 2})]
     proc = run_cli(["-m", *args, "train.lr=0.001,0.003", f"hydra.sweep.dir={sweep}"])
     assert not single.exists(), proc.stdout
     jobs = sorted(p.parent for p in sweep.glob("*/sweep.json"))

@@ -36,8 +36,10 @@ def test_misspelt_override_fails_loudly():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["eval.every=10", "eval.holdout=0"], r"eval\.every=10 needs held-out data: set eval\.holdout"),
-        (["eval.holdout=5", "eval.cache_dir=/x"], r"eval\.holdout and eval\.cache_dir are alternatives"),
+        (["validation.every=10", "validation.holdout=0"],
+         r"validation\.every=10 needs held-out data: set validation\.holdout"),
+        (["validation.holdout=5", "validation.cache_dir=/x"],
+         r"validation\.holdout and validation\.cache_dir are alternatives"),
         (["engine.deepspeed_config=/x.json"], r"engine\.deepspeed_config is set but engine\.kind='single'"),
         (["train.min_lr=1.0"], r"train\.min_lr \(1\.0\) <= train\.lr"),
         (["train.dtype=fp16"], r"train\.dtype must be one of"),

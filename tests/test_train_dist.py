@@ -30,7 +30,7 @@ from test_train_fixtures import REPO, build_cache, cli_command, cli_env, run_cli
 pytestmark = pytest.mark.slow
 
 COMMON = {"train.max_steps": 4, "train.micro_batch_size": 2, "train.lr": 1e-2, "train.warmup_steps": 1,
-          "ttt.ttt_steps": 2, "checkpoint.every": 2, "eval.every": 2, "eval.holdout": 4}
+          "ttt.ttt_steps": 2, "checkpoint.every": 2, "validation.every": 2, "validation.holdout": 4}
 
 
 @pytest.fixture(scope="module")
@@ -226,7 +226,7 @@ def test_deepspeed_bf16_runs_in_bf16_and_a_json_that_turns_it_off_is_refused(cac
     import deepspeed
 
     out = tmp_path / "bf16"
-    base = {**COMMON, "train.max_steps": 1, "eval.every": 0, "engine.kind": "deepspeed", "train.dtype": "bf16"}
+    base = {**COMMON, "train.max_steps": 1, "validation.every": 0, "engine.kind": "deepspeed", "train.dtype": "bf16"}
     run_cli(train_overrides(cache, out, **base))
     setup = read_jsonl(out / "metrics.jsonl")[0]
     assert (setup["engine"], setup["compute_dtype"], setup["world_size"]) == ("deepspeed-zero2", "bfloat16", 1)

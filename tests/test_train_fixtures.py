@@ -91,8 +91,8 @@ def train_overrides(cache: Path, out: Path, **extra: object) -> list[str]:
         "train.dtype": "fp32",  # the numbers these tests compare are fp32's, whatever this machine runs fastest
         "ttt.ttt_steps": 3,
         "checkpoint.every": 2,
-        "eval.every": 0,
-        "eval.holdout": 0,
+        "validation.every": 0,
+        "validation.holdout": 0,
         "log.progress": "false",
         "log.wandb_mode": "disabled",
     }

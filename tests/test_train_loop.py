@@ -39,7 +39,7 @@ def short_run(cache, tmp_path_factory):
         "train",
         train_overrides(
             cache, out, **{"train.max_steps": 4, "train.lr": 1e-2, "checkpoint.every": 2, "checkpoint.keep_last": 1,
-                           "eval.every": 2, "eval.holdout": 4, "log.wandb_mode": "offline"}
+                           "validation.every": 2, "validation.holdout": 4, "log.wandb_mode": "offline"}
         ),
     )
     return out, result
@@ -124,7 +124,7 @@ def test_resume_refuses_a_breaking_change_and_allows_a_longer_run(short_run, cac
     copy = tmp_path / "run"
     shutil.copytree(out, copy)
     base = {"train.max_steps": 4, "train.lr": 1e-2, "checkpoint.every": 2, "checkpoint.keep_last": 1,
-            "eval.every": 2, "eval.holdout": 4}
+            "validation.every": 2, "validation.holdout": 4}
     with pytest.raises(ValueError, match=r"ttt\.ttt_steps: checkpoint has 3, this run has 2"):
         run_stage("train", train_overrides(cache, copy, **{**base, "ttt.ttt_steps": 2}))
     with pytest.raises(ValueError, match=r"train\.grad_accum"):
@@ -173,7 +173,8 @@ def test_eval_on_a_second_cache(cache, tmp_path, smollm_tokenizer):
     other = build_cache(cache.parent, smollm_tokenizer, conversations=6)
     out = tmp_path / "run"
     result = run_stage(
-        "train", train_overrides(cache, out, **{"train.max_steps": 2, "eval.every": 2, "eval.cache_dir": other})
+        "train", train_overrides(cache, out, **{"train.max_steps": 2, "validation.every": 2,
+                                                "validation.cache_dir": other})
     )
     assert result.last_eval["eval/tokens"] > 0 and 0 <= result.last_eval["eval/acc_0"] <= 1
     assert result.last_eval["eval/tau_sim"] >= 1

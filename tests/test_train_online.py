@@ -40,7 +40,7 @@ SHARED = {  # what `fledge cache` and `fledge train data.mode=online` are both g
     "cache.shard_bytes": 20000,  # several shards: under two ranks each writes its own
 }
 RUN = {"train.max_steps": 6, "train.lr": 1e-2, "train.warmup_steps": 1, "train.micro_batch_size": 2,
-       "ttt.ttt_steps": 2, "checkpoint.every": 2, "eval.every": 3, "eval.holdout": 4}
+       "ttt.ttt_steps": 2, "checkpoint.every": 2, "validation.every": 3, "validation.holdout": 4}
 FIRST_EPOCH = {**RUN, "train.max_steps": 0, "train.epochs": 1.5}  # into the second epoch: from the cache there
 
 

@@ -26,7 +26,7 @@ from conftest import read_jsonl
 from test_train_fixtures import REPO, build_cache, cli_env, shared_root, train_overrides, wait_for
 
 RUN = {"train.max_steps": 6, "train.grad_accum": 2, "train.lr": 1e-2, "train.warmup_steps": 1, "ttt.ttt_steps": 2,
-       "checkpoint.every": 2, "checkpoint.keep_last": 3, "eval.every": 2, "eval.holdout": 4}
+       "checkpoint.every": 2, "checkpoint.keep_last": 3, "validation.every": 2, "validation.holdout": 4}
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +113,7 @@ def test_slurm_script_passes_the_notice_on_to_training_and_requeues_the_job(cach
     for tool in bin_dir.iterdir():
         tool.chmod(0o755)
     run = tmp_path / "run"
-    args = train_overrides(cache, run, **{**RUN, "train.max_steps": 12, "checkpoint.every": 1, "eval.every": 0})
+    args = train_overrides(cache, run, **{**RUN, "train.max_steps": 12, "checkpoint.every": 1, "validation.every": 0})
     env = cli_env({"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node0",
                    "SLURM_NNODES": "1", "STAGES": "train", "GPUS_PER_NODE": "1", "FLEDGE_ROOT": str(REPO),
                    "MASTER_PORT": "29573", "REQUEUED": str(tmp_path / "requeued")})

@@ -18,7 +18,7 @@ from conftest import read_jsonl
 from test_train_fixtures import REPO, build_cache, cli_command, cli_env, run_cli, shared_root, train_overrides, wait_for
 
 RUN = {"train.max_steps": 10, "train.lr": 1e-2, "train.warmup_steps": 2, "checkpoint.every": 2,
-       "checkpoint.keep_last": 2, "eval.every": 4, "eval.holdout": 4, "ttt.ttt_steps": 2}
+       "checkpoint.keep_last": 2, "validation.every": 4, "validation.holdout": 4, "ttt.ttt_steps": 2}
 
 
 @pytest.fixture(scope="module")

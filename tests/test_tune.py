@@ -234,7 +234,7 @@ def test_tune_measures_a_hybrid_recommendation(tiny_verifier_dir, tmp_path, monk
     result = run_stage("tune", [
         f"draft={tmp_path / 'run'}", f"verifier.name_or_path={tiny_verifier_dir}", "verifier.dtype=float32",
         f"prompts=[{prompts}]", "max_prompts=1", "max_new_tokens=8", "n_max=2", "verify_repeats=1",
-        "warmup_tokens=0", "tree_shapes=[{depth: 1, top_k: 2, total_tokens: 2}]", "lookup_tokens=4",
+        "warmup_tokens=0", "tree_shapes=[{depth: 1, top_k: 2, total_tokens: 2}]", "num_draft_tokens=4",
         f"out_dir={tmp_path / 'tune'}", "hybrid_extend=1", "hybrid_lookup_nodes=2", "hybrid_draft_tokens=1",
         "draft_min_prob=0.05",
     ])

@@ -156,11 +156,19 @@ def save_checkpoint(
     return final
 
 
+RENAMED_SECTIONS = {"eval": "validation"}
+"""Sections of the training config renamed since (old name -> new): a checkpoint of an earlier fledge is compared
+under the new names (``eval`` was the held-out evaluation's section before 2026-12-05)."""
+
+
 def check_resume(folder: Path, current: dict[str, Any], invariants: Iterable[FieldRef]) -> None:
     """Refuse to resume when one of ``invariants`` changed; the error names each field and the fix."""
     from omegaconf import OmegaConf
 
     saved = OmegaConf.to_container(OmegaConf.load(folder / TRAIN_CONFIG))
+    for old, new in RENAMED_SECTIONS.items():
+        if isinstance(saved, dict) and old in saved and new not in saved:
+            saved[new] = saved.pop(old)
     changed = [
         f"{ref}: checkpoint has {ref.get(saved)!r}, this run has {ref.get(current)!r}"
         for ref in invariants

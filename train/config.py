@@ -148,4 +148,4 @@ class HeldOutConfig:
 
     def __post_init__(self) -> None:
         if self.every < 0 or self.holdout < 0 or self.max_batches < 0:
-            raise ConfigError("eval.every, eval.holdout and eval.max_batches must be >= 0")
+            raise ConfigError("validation.every, validation.holdout and validation.max_batches must be >= 0")

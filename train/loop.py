@@ -94,19 +94,19 @@ class TrainJobConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
-    eval: HeldOutConfig = field(default_factory=HeldOutConfig)
+    validation: HeldOutConfig = field(default_factory=HeldOutConfig)
     """Held-out evaluation during training (TTT losses and accuracies; ``fledge eval`` measures real decoding)."""
 
     def __post_init__(self) -> None:
-        if self.eval.holdout and self.eval.cache_dir:
+        if self.validation.holdout and self.validation.cache_dir:
             raise ConfigError(
-                "eval.holdout and eval.cache_dir are alternatives: evaluate on a held-out slice of the training "
-                "cache or on a second cache, not both"
+                "validation.holdout and validation.cache_dir are alternatives: evaluate on a held-out slice of the "
+                "training cache or on a second cache, not both"
             )
-        if self.eval.every and not (self.eval.holdout or self.eval.cache_dir):
+        if self.validation.every and not (self.validation.holdout or self.validation.cache_dir):
             raise ConfigError(
-                f"eval.every={self.eval.every} needs held-out data: set eval.holdout=N (the last N conversations "
-                "of the cache) or eval.cache_dir=PATH, or eval.every=0"
+                f"validation.every={self.validation.every} needs held-out data: set validation.holdout=N (the last N "
+                "conversations of the cache) or validation.cache_dir=PATH, or validation.every=0"
             )
         if self.engine.kind == "deepspeed" and self.train.optimizer != "adamw":
             raise ConfigError(f"train.optimizer={self.train.optimizer} runs on the torch engines only",
@@ -171,7 +171,7 @@ RESUME_INVARIANTS = (
     _job.ttt.step_decay,
     _job.engine.kind,
     _job.engine.zero_stage,
-    _job.eval.holdout,
+    _job.validation.holdout,
     _run.world_size,
     _run.cache.num_conversations,
     _run.cache.verifier_fingerprint,
@@ -236,8 +236,8 @@ def train(cfg: TrainJobConfig, info: DistInfo, device: torch.device) -> TrainRes
         eval_reader.lengths() if eval_reader else [], eval_ids, cfg.train.micro_batch_size, cfg.train.max_tokens,
         info.rank, info.world_size,
     )
-    if cfg.eval.max_batches:
-        eval_set = eval_set[: cfg.eval.max_batches]
+    if cfg.validation.max_batches:
+        eval_set = eval_set[: cfg.validation.max_batches]
     resolved = resolved_config(cfg, reader, info.world_size, runtime_binding(engine, train_cfg, device))
     resolved["train"]["dtype"] = train_cfg.dtype  # what ran, not "auto"
     resolved["train"]["compile"] = compiled
@@ -327,7 +327,8 @@ def train(cfg: TrainJobConfig, info: DistInfo, device: torch.device) -> TrainRes
                 logger.log(with_tau(record), state.step)
                 last, window, window_start = record, MetricWindow(device), time.perf_counter()
 
-            if eval_set and cfg.eval.every and (state.step % cfg.eval.every == 0 or state.step == total_steps):
+            every = cfg.validation.every
+            if eval_set and every and (state.step % every == 0 or state.step == total_steps):
                 paused = time.perf_counter()
                 last_eval = evaluate_held_out(engine, load_eval, eval_set, device)
                 logger.log(last_eval, state.step)
@@ -390,29 +391,31 @@ def finish_first_epoch(reader: FirstEpochSource, data: sampler.Prefetcher, info:
 
 
 def split_data(cfg: TrainJobConfig, reader: TrainingData) -> tuple[list[int], TrainingData | None, list[int]]:
-    """Training conversations, and the eval reader and conversations (the last eval.holdout, or a second cache)."""
+    """Training conversations, and the held-out reader and conversations (the last ``validation.holdout``, or a
+    second cache)."""
     n = len(reader)
-    if cfg.eval.holdout >= n:
+    if cfg.validation.holdout >= n:
         raise ConfigError(
-            f"eval.holdout={cfg.eval.holdout} leaves nothing to train on: the cache has {n} conversations",
-            fix="lower eval.holdout or cache more conversations",
+            f"validation.holdout={cfg.validation.holdout} leaves nothing to train on: the cache has {n} conversations",
+            fix="lower validation.holdout or cache more conversations",
         )
-    if cfg.eval.cache_dir:
-        other = CacheReader(cfg.eval.cache_dir, verify=cfg.cache.verify_on_read)
+    if cfg.validation.cache_dir:
+        other = CacheReader(cfg.validation.cache_dir, verify=cfg.cache.verify_on_read)
         for key in ("aux_layer_ids", "hidden_size"):
             if other.manifest[key] != reader.manifest[key]:
                 raise MismatchError(
-                    f"eval.cache_dir {cfg.eval.cache_dir}: {key} {other.manifest[key]} != training cache's "
+                    f"validation.cache_dir {cfg.validation.cache_dir}: {key} {other.manifest[key]} != training cache's "
                     f"{reader.manifest[key]}", fix="evaluate on a cache of the same verifier and aux layers",
                 )
         if other.manifest["verifier"]["fingerprint"] != reader.manifest["verifier"]["fingerprint"]:
             raise MismatchError(
-                f"eval.cache_dir {cfg.eval.cache_dir} was cached from another verifier than {cfg.cache_dir}",
+                f"validation.cache_dir {cfg.validation.cache_dir} was cached from another verifier than "
+                f"{cfg.cache_dir}",
                 fix="evaluate on a cache of the same verifier",
             )
         return list(range(n)), other, list(range(len(other)))
-    if cfg.eval.holdout:
-        return list(range(n - cfg.eval.holdout)), reader, list(range(n - cfg.eval.holdout, n))
+    if cfg.validation.holdout:
+        return list(range(n - cfg.validation.holdout)), reader, list(range(n - cfg.validation.holdout, n))
     return list(range(n)), None, []
 
 

@@ -96,7 +96,7 @@ class BucketSampler:
         world_size: int = 1,
     ) -> None:
         if not indices:
-            raise ConfigError("no training conversations", fix="lower eval.holdout or cache more conversations")
+            raise ConfigError("no training conversations", fix="lower validation.holdout or cache more conversations")
         self.lengths = np.asarray(lengths)
         self.indices = list(indices)
         self.micro_batch_size = micro_batch_size
