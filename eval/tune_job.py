@@ -20,7 +20,7 @@ from fledge.data.prompt_sets import load_prompts
 from fledge.decode.drafters import PromptLookupDrafter
 from fledge.decode.proposals import TreeShape
 from fledge.eval.datastore import load_datastore
-from fledge.eval.report import TuneReport
+from fledge.eval.report import EvalReport, TuneReport
 from fledge.eval.roster import DrafterSettings
 from fledge.eval.runner import EvalConfig, encode_prompt, evaluate, load_eagle_drafter
 from fledge.eval.tune import (
@@ -173,19 +173,20 @@ def run(cfg: TuneJobConfig) -> dict[str, Any]:
     measure_cfg = _eval_config(cfg, str(out / "measure") if out else None, method="chain",
                                num_draft_tokens=cfg.n_max)
     drafter.rank_top_k = max(s.top_k for s in cfg.shapes())
-    measured = evaluate(verifier, {"tune": prompts}, {"eagle3": drafter}, measure_cfg)["sets"]["tune"]
+    measured = EvalReport.from_json(evaluate(verifier, {"tune": prompts}, {"eagle3": drafter}, measure_cfg))
     drafter.rank_top_k = 0
-    entry = measured["drafters"]["eagle3"]
-    topk = entry.get("topk_acceptance")
-    step_seconds = measured["baseline"]["step_seconds"]
+    entry = measured.sets["tune"].drafters["eagle3"]
+    assert entry.n_alpha is not None
+    topk = entry.figures.get("topk_acceptance")
+    step_seconds = measured.sets["tune"].baseline["step_seconds"]
 
     # 2. v(k) on a real prompt's KV cache, for every k a candidate verifies.
     shapes = cfg.shapes()
     prompt_ids = encode_prompt(verifier.tokenizer, prompts[0], cfg.chat_template_kwargs)
     ks = list(range(1, cfg.n_max + 2)) + [s.total_tokens + 1 for s in shapes]
     verify_steps = measure_verify_cost(verifier.model, prompt_ids, ks, drafter.aux_layer_ids, cfg.verify_repeats)
-    bare = CostModel(verify_steps=verify_steps, draft_step=entry["cost_ratio"])
-    residual = overhead_from_run(entry["verify_cost_in_steps"], cfg.n_max, bare)
+    bare = CostModel(verify_steps=verify_steps, draft_step=entry.figures["cost_ratio"])
+    residual = overhead_from_run(entry.figures["verify_cost_in_steps"], cfg.n_max, bare)
     overhead = residual if cfg.fit_round_overhead else 0.0
     cost = dataclasses.replace(bare, round_overhead=overhead)
 
@@ -195,20 +196,20 @@ def run(cfg: TuneJobConfig) -> dict[str, Any]:
         seconds = measure_tree_draft_seconds(verifier.model, drafter, prompt_ids, shape, drafter.aux_layer_ids)
         trees.append((shape, seconds / shape.depth / step_seconds if step_seconds else 0.0))
 
-    options = candidates(entry["n_alpha"], cost, cfg.n_max, trees, topk)
+    options = candidates(entry.n_alpha, cost, cfg.n_max, trees, topk)
     lookup = None
-    if cfg.hybrid and entry.get("topk_rounds"):
+    if cfg.hybrid and entry.figures.get("topk_rounds"):
         store = (load_datastore(cfg.hybrid_datastore, verifier.tokenizer, fingerprint=verifier.fingerprint)
                  if cfg.hybrid_datastore is not None else None)
         lookup = cfg.lookup(store)
         branch = max([cfg.num_draft_tokens, cfg.n_max] + [s.depth for s in shapes])
         encoded = [encode_prompt(verifier.tokenizer, p, cfg.chat_template_kwargs) for p in prompts]
-        positions = hybrid_positions(entry["topk_rounds"], encoded, lookup, branch)
+        positions = hybrid_positions(entry.figures["topk_rounds"], encoded, lookup, branch)
         options += [hybrid_chain_candidate(positions, n, cost) for n in range(1, cfg.n_max + 1)]
         options += [hybrid_tree_candidate(positions, shape, max(shape.depth, cfg.num_draft_tokens), cost, c_tree)
                     for shape, c_tree in trees]
     choice = recommend(options)
-    alphas = " ".join("-" if a is None else f"{a:.2f}" for a in entry["n_alpha"])
+    alphas = " ".join("-" if a is None else f"{a:.2f}" for a in entry.n_alpha)
     lines = [
         "",
         f"[tune] measured at chain N={cfg.n_max} on {len(prompts)} prompts ({dtype}): n-α {alphas}",
@@ -236,25 +237,25 @@ def run(cfg: TuneJobConfig) -> dict[str, Any]:
             checker = cfg.hybrid_of(drafter.draft, lookup.datastore, recycle)
         else:
             checker = cfg.eagle(drafter.draft)
-        checked = evaluate(verifier, {"tune": prompts}, {name: checker}, check_cfg)["sets"]["tune"]
-        d = checked["drafters"][name]
+        checked = EvalReport.from_json(evaluate(verifier, {"tune": prompts}, {name: checker}, check_cfg))
+        d = checked.sets["tune"].drafters[name]
+        assert d.speedup is not None and d.tau is not None
         verification = {"shape": check.name, "predicted_speedup": check.predicted_speedup,
-                        "measured_speedup": d["speedup"], "tau": d["tau"],
+                        "measured_speedup": d.speedup, "tau": d.tau,
                         "predicted_tokens_per_round": check.expected_tokens,
-                        "measured_round_cost": d["verify_cost_in_steps"] + d["draft_cost_in_steps"],
+                        "measured_round_cost": d.figures["verify_cost_in_steps"] + d.figures["draft_cost_in_steps"],
                         "predicted_round_cost": check.round_cost,
-                        "greedy_match_rate": d.get("greedy_match_rate")}
-        print(f"[tune] {check.name}: predicted {check.predicted_speedup:.2f}x, measured {d['speedup']:.2f}x; "
-              f"tokens/round predicted {check.expected_tokens:.2f}, measured τ {d['tau']:.2f}; round cost predicted "
+                        "greedy_match_rate": d.figures.get("greedy_match_rate")}
+        print(f"[tune] {check.name}: predicted {check.predicted_speedup:.2f}x, measured {d.speedup:.2f}x; "
+              f"tokens/round predicted {check.expected_tokens:.2f}, measured τ {d.tau:.2f}; round cost predicted "
               f"{check.round_cost:.2f}, measured {verification['measured_round_cost']:.2f} steps", flush=True)
-    entry.pop("topk_rounds", None)  # in measure/report.json already
     report = TuneReport(
         config=dataclasses.asdict(cfg),
         dtype=dtype,
         draft=str(cfg.draft),
-        measurement={"n_max": cfg.n_max, "n_alpha": entry["n_alpha"], "tau": entry["tau"],
-                     "speedup": entry["speedup"], "cost_ratio": entry["cost_ratio"], "topk_acceptance": topk,
-                     "verify_cost_in_steps": entry["verify_cost_in_steps"], "step_seconds": step_seconds},
+        measurement={"n_max": cfg.n_max, "n_alpha": entry.n_alpha, "tau": entry.tau,
+                     "speedup": entry.speedup, "cost_ratio": entry.figures["cost_ratio"], "topk_acceptance": topk,
+                     "verify_cost_in_steps": entry.figures["verify_cost_in_steps"], "step_seconds": step_seconds},
         cost_model={"verify_steps": {str(k): v for k, v in sorted(verify_steps.items())},
                     "draft_step": cost.draft_step, "round_overhead": overhead,
                     "measured_round_residual": residual,
