@@ -321,15 +321,7 @@ def evaluate(
             base["recheck"] = recheck_summary(judge, encoded, [r.tokens for r in plain])
         floors = (_round_floors(verifier, encoded[0][1], set(methods.values()), cfg, aux_ids)
                   if cfg.round_floor and named else None)
-        set_report = {"num_prompts": len(encoded), "baseline": base, "drafters": {}}
-        if skipped:
-            set_report["prompts_skipped"] = skipped
-        coverage = draft_vocab_coverage(named, plain)
-        if coverage is not None:
-            set_report["draft_vocab_coverage"] = coverage
-        first = first_token_breakdown(verifier, named, encoded, plain, cfg) if cfg.first_token else None
-        if first is not None:
-            set_report["first_token"] = first
+        set_report = _set_report(verifier, named, encoded, plain, cfg, base, skipped)
         for name, _ in named:
             entry = _drafter_summary(runs[name], plain, hf, [pid for pid, _ in encoded], methods[name], cfg, base,
                                      floors)
@@ -403,6 +395,24 @@ def first_token_breakdown(
     return breakdown(records, cfg.tree_top_k)
 
 
+def _set_report(
+    verifier: Verifier, named: list[tuple[str, Drafter]], encoded: list[tuple[Any, torch.Tensor]],
+    plain: list[DecodeResult], cfg: EvalConfig, base: dict[str, Any], skipped: int = 0,
+) -> dict[str, Any]:
+    """A prompt set's entry before its drafters' (at batch 1 and batched alike): plain decoding's figures, the prompts
+    the time limit left out, the draft vocabulary's coverage of plain's answers, where the draft's first token fails."""
+    set_report: dict[str, Any] = {"num_prompts": len(encoded), "baseline": base, "drafters": {}}
+    if skipped:
+        set_report["prompts_skipped"] = skipped
+    coverage = draft_vocab_coverage(named, plain)
+    if coverage is not None:
+        set_report["draft_vocab_coverage"] = coverage
+    first = first_token_breakdown(verifier, named, encoded, plain, cfg) if cfg.first_token else None
+    if first is not None:
+        set_report["first_token"] = first
+    return set_report
+
+
 def _batched_set(
     verifier: Verifier, set_name: str, encoded: list[tuple[Any, torch.Tensor]], drafters: dict[str, Drafter | None],
     named: list[tuple[str, Drafter]], methods: dict[str, str], cfg: EvalConfig, stop_ids: frozenset[int],
@@ -422,13 +432,7 @@ def _batched_set(
     sweep[set_name] = by_size
     smallest = by_size[str(cfg.batch_sizes()[0])]
     base = {**smallest["plain"], "batch_size": smallest["batch_size"], "divides_by": "fledge plain decoding, batched"}
-    set_report: dict[str, Any] = {"num_prompts": len(encoded), "baseline": base, "drafters": {}}
-    coverage = draft_vocab_coverage(named, plain)
-    if coverage is not None:
-        set_report["draft_vocab_coverage"] = coverage
-    first = first_token_breakdown(verifier, named, encoded, plain, cfg) if cfg.first_token else None
-    if first is not None:
-        set_report["first_token"] = first
+    set_report = _set_report(verifier, named, encoded, plain, cfg, base)
     for name, d in smallest["drafters"].items():
         set_report["drafters"][name] = {**d, "batch_size": smallest["batch_size"]}
     for name, drafter in drafters.items():

@@ -78,6 +78,19 @@ class PlanJobConfig:
     """One GPU's dense peak in the training dtype (H100 / H200 bf16: 989)."""
     mfu: float = 0.4
     """Share of the peak the job reaches (model FLOPs as ``fledge bench train`` counts them)."""
+    memory_bandwidth_tbs: float = 3.35
+    """One GPU's memory bandwidth in TB/s (H100 SXM 3.35, H200 4.8): a decoding step of the regeneration reads the
+    weights and the KV cache once."""
+    bandwidth_share: float = 0.7
+    """Share of that bandwidth a decoding step streams at (an assumption of this plan, not a measurement: calibrate
+    it against ``fledge bench regenerate`` on your GPUs)."""
+    regenerate: bool | None = None
+    """Size the regeneration of the answers with ``fledge regenerate regenerate.engine=vllm`` (prompts read, answers
+    written, hours). None: when ``data.source`` does not exist yet (the presets train on answers regenerate
+    writes)."""
+    regenerate_batch: int = 64
+    """Sequences decoded at once: ``regenerate.batch_size`` (the presets' 64; each part is one batch per turn),
+    fewer when the KV cache of that many does not fit beside the weights."""
     disk_gib: float | None = None
     """Disk free for the offline cache; None: not checked."""
     mode: str = "auto"
@@ -125,6 +138,9 @@ class PlanJobConfig:
                               f"{self.gpu_memory_gib}, {self.reserve_gib})")
         if self.peak_tflops <= 0 or not 0 < self.mfu <= 1:
             raise ConfigError(f"need peak_tflops > 0 and 0 < mfu <= 1 (got {self.peak_tflops}, {self.mfu})")
+        if self.memory_bandwidth_tbs <= 0 or not 0 < self.bandwidth_share <= 1 or self.regenerate_batch < 1:
+            raise ConfigError(f"need memory_bandwidth_tbs > 0, 0 < bandwidth_share <= 1 and regenerate_batch >= 1 "
+                              f"(got {self.memory_bandwidth_tbs}, {self.bandwidth_share}, {self.regenerate_batch})")
         if self.mode not in MODES:
             raise ConfigError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.conversations is not None and self.conversations < 1:
@@ -176,6 +192,9 @@ class JobPlan(SectionedReport):
     """FLOPs per token, hours per epoch and in all (offline and online), the cache's build time and read rate."""
     recommendation: dict[str, Any]
     """The way to run it (mode, ZeRO stage, micro-batch, overrides) and why, or what would fit."""
+    regeneration: dict[str, Any] | None = None
+    """The answers regenerated through vLLM first (``regeneration``): tokens, the replica, its decoding step,
+    tokens/s and hours; None when the plan does not regenerate."""
     format: int = FORMAT
 
 
@@ -188,6 +207,8 @@ class DataEstimate:
     """Share of the tokens the loss counts (the assistant's), for the FLOPs of the head."""
     how: str
     """Where the figures come from, in words."""
+    stand_in: bool = False
+    """``data.source`` does not exist yet and ``estimate_from`` was measured instead."""
 
     @property
     def tokens_per_conversation(self) -> float:
@@ -228,7 +249,10 @@ def estimate_data(cfg: PlanJobConfig) -> DataEstimate:
         lengths.append(max(2, min(cfg.data.max_length, round(tokens))))
         assistant += sum(len(m["content"]) for m in conv if m["role"] == "assistant")
         total += chars
+    stand_in = data is not cfg.data
     count = cfg.conversations if cfg.conversations is not None else len(conversations)
+    if stand_in and cfg.conversations is None and cfg.data.max_conversations:
+        count = cfg.data.max_conversations  # the job's own size: what regenerate will write
     how = f"{len(conversations):,} conversations of {note}"
     if cfg.tokens_per_conversation is not None:
         lengths = [round(min(cfg.tokens_per_conversation, cfg.data.max_length))]
@@ -238,7 +262,9 @@ def estimate_data(cfg: PlanJobConfig) -> DataEstimate:
                 f"at most data.max_length {cfg.data.max_length:,}")
     if cfg.conversations is not None:
         how += f"; {count:,} conversations given"
-    return DataEstimate(count, lengths, assistant / max(1, total), how)
+    elif count != len(conversations):
+        how += f"; {count:,} conversations as data.max_conversations says"
+    return DataEstimate(count, lengths, assistant / max(1, total), how, stand_in=stand_in)
 
 
 # ------------------------------------------------------------------------------------------------------- the plan
@@ -359,6 +385,52 @@ def what_would_fit(job: JobShape, cfg: PlanJobConfig, mode: str, usable: float) 
     return lines
 
 
+KV_SHARE = 0.5
+"""A regeneration replica spans the fewest GPUs (a power of two) whose memory leaves at least this share beside the
+weights for the KV cache."""
+
+
+def regeneration(shape: VerifierShape, cfg: PlanJobConfig, data: DataEstimate, dtype_bytes: int) -> dict[str, Any]:
+    """The hours to answer every conversation with the verifier through vLLM (``fledge regenerate
+    regenerate.engine=vllm``), by a roofline of its decoding step.
+
+    Each conversation's answers are the loss's share of its tokens (as long as the source's answers); the rest is
+    read (prefill, at ``mfu`` of the peak, over every GPU). A replica holds the weights on ``gpus`` GPUs and decodes
+    ``sequences`` at once; a decoding step reads the weights and the KV cache of every sequence (at
+    ``bandwidth_share`` of the bandwidth) and computes 2 x active parameters per sequence (at ``mfu`` of the peak),
+    and takes the longer of the two. A sequence's KV cache is counted at its mean length while it is answered, the
+    prompt and half the answer."""
+    usable = (cfg.gpu_memory_gib - cfg.reserve_gib) * GIB
+    s = shape.complete()
+    weight_bytes = dtype_bytes * shape.params()
+    tokens = data.conversations * data.tokens_per_conversation
+    answers = tokens * data.loss_fraction
+    gpus = 1
+    while weight_bytes > (1 - KV_SHARE) * gpus * usable and gpus < cfg.world:
+        gpus *= 2
+    gpus = min(gpus, cfg.world)
+    replicas = max(1, cfg.world // gpus)
+    kv_per_token = 2 * s.num_hidden_layers * s.num_key_value_heads * s.head_dim * dtype_bytes
+    context = data.tokens_per_conversation * (1 - data.loss_fraction / 2)
+    room = gpus * usable - weight_bytes
+    fit = int(room // (kv_per_token * context)) if room > 0 else 0
+    sequences = max(1, min(cfg.regenerate_batch, fit))
+    read_s = (weight_bytes + sequences * context * kv_per_token) / (gpus * cfg.memory_bandwidth_tbs * 1e12
+                                                                   * cfg.bandwidth_share)
+    compute_s = 2 * shape.active_params() * sequences / (gpus * cfg.peak_tflops * 1e12 * cfg.mfu)
+    step_s = max(read_s, compute_s)
+    decode_rate = replicas * sequences / step_s
+    prefill_s = 2 * shape.active_params() * (tokens - answers) / (cfg.world * cfg.peak_tflops * 1e12 * cfg.mfu)
+    seconds = prefill_s + answers / decode_rate
+    return {
+        "engine": "vllm", "answer_tokens": answers, "prompt_tokens": tokens - answers, "gpus_per_replica": gpus,
+        "replicas": replicas, "sequences": sequences, "sequences_that_fit": fit,
+        "kv_bytes_per_token": kv_per_token, "step_ms": 1e3 * step_s, "bound": "memory" if read_s >= compute_s else
+        "compute", "tokens_per_s": decode_rate, "tokens_per_s_per_gpu": decode_rate / (replicas * gpus),
+        "prefill_h": prefill_s / 3600, "hours": seconds / 3600,
+    }
+
+
 def make_plan(cfg: PlanJobConfig) -> JobPlan:
     shape, shape_source = resolve_shape(cfg.verifier, cfg.shape)
     draft = draft_config(shape, cfg)
@@ -396,6 +468,8 @@ def make_plan(cfg: PlanJobConfig) -> JobPlan:
     replicas = max(1, world // cache_gpus)
     cache_seconds = data.conversations * mean_verifier / (replicas * cfg.peak_tflops * 1e12 * cfg.mfu)
     epochs = cfg.train.epochs if cfg.train.max_steps == 0 else None
+    regen = (regeneration(shape, cfg, data, job.verifier_bytes)
+             if (data.stand_in if cfg.regenerate is None else cfg.regenerate) else None)
     total_offline = cache_seconds + (epochs or 0) * epoch_offline
     total_online = (epochs or 0) * epoch_online
     tokens_per_s = train_conversations * data.tokens_per_conversation / epoch_offline
@@ -410,6 +484,7 @@ def make_plan(cfg: PlanJobConfig) -> JobPlan:
         "train_time_offline_h": total_offline / 3600 if epochs else None,
         "train_time_online_h": total_online / 3600 if epochs else None,
         "cache_read_gib_per_s": tokens_per_s * per_token / GIB,
+        "regenerate_h": regen["hours"] if regen else None,
     }
 
     # ---- recommendation
@@ -502,6 +577,7 @@ def make_plan(cfg: PlanJobConfig) -> JobPlan:
         activations_saved_gib={k: v / GIB for k, v in ttt_saved_bytes(job).items()},
         compute=compute,
         recommendation=recommendation,
+        regeneration=regen,
     )
 
 
@@ -564,6 +640,7 @@ def render(plan: JobPlan) -> str:
         _row("cache_bytes_per_token", f"{disk['cache_bytes_per_token']:,}",
              f"3 aux states + the final state, {s['hidden_size']} wide, {disk['storage_dtype']}; token id and mask"),
         _row("cache_disk_gib", f"{disk['cache_disk_gib']:,.1f}"),
+        *_regeneration_rows(plan.regeneration),
         "",
         "memory per GPU (GiB)" + "".join(f"{f'zero{st}':>10}" for st in STAGES)
         + "    (zero0: DDP, or one process on one GPU)",
@@ -605,6 +682,8 @@ def render(plan: JobPlan) -> str:
         _row("train_time_offline_h", hours(comp["train_time_offline_h"]),
              f"cache + {comp['epochs']:g} epochs" if comp["epochs"] else "train.max_steps set: epochs unknown"),
         _row("train_time_online_h", hours(comp["train_time_online_h"])),
+        *([_row("regenerate_h", hours(comp["regenerate_h"]), "before either (regeneration above)")]
+          if comp.get("regenerate_h") is not None else []),
         _row("cache_read_gib_per_s", f"{comp['cache_read_gib_per_s']:.2f}", "all ranks together, offline"),
         "",
         "recommendation",
@@ -623,6 +702,25 @@ def render(plan: JobPlan) -> str:
     if not rec["fits"]:
         lines += ["  what would fit:"] + [f"    - {r}" for r in rec["what_would_fit"]]
     return "\n".join(lines)
+
+
+def _regeneration_rows(r: dict[str, Any] | None) -> list[str]:
+    if r is None:
+        return []
+    fit = ("" if r["sequences"] == r["sequences_that_fit"] else
+           f"regenerate_batch; {r['sequences_that_fit']:,} fit the KV cache" if r["sequences"] < r["sequences_that_fit"]
+           else "as many as fit the KV cache")
+    return [
+        "regeneration (fledge regenerate regenerate.engine=vllm, before the cache)",
+        _row("regenerate_answer_tokens", f"{r['answer_tokens'] / 1e6:,.1f} M", "the loss's share of the tokens"),
+        _row("regenerate_prompt_tokens", f"{r['prompt_tokens'] / 1e6:,.1f} M", "read once (prefill)"),
+        _row("regenerate_replicas", f"{r['replicas']} x {r['gpus_per_replica']}", "replicas x GPUs each"),
+        _row("regenerate_sequences", f"{r['sequences']:,}", fit),
+        _row("regenerate_step_ms", f"{r['step_ms']:.1f}", f"{r['bound']}-bound: weights + KV cache read, or FLOPs"),
+        _row("regenerate_tokens_per_s", f"{r['tokens_per_s']:,.0f}",
+             f"{r['tokens_per_s_per_gpu']:,.0f} per GPU, all replicas decoding"),
+        _row("regenerate_h", f"{r['hours']:.3g}", f"prefill {r['prefill_h']:.2g} h of it"),
+    ]
 
 
 def _h(seconds: float) -> str:

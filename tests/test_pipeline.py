@@ -62,16 +62,22 @@ def test_every_stage_of_a_preset_names_the_same_job(preset, monkeypatch):
     root = f"/shared/runs/{preset}"
     for stage in DATA_STAGES:
         data = cfg[stage].data
+        size = 500_000 if preset == "llama3.1-8b-instruct" else None  # the published-scale job
         assert (data.source, data.max_length, data.max_conversations) == (
-            f"{root}/regen/conversations.jsonl", max_length, None), stage
+            f"{root}/regen/conversations.jsonl", max_length, size), stage
         assert data.chat_template_kwargs == thinking, stage
         assert (cfg[stage].cache.draft_vocab_size, cfg[stage].cache.storage_dtype) == (32000, "bfloat16"), stage
     # regenerate answers the prompts (ShareGPT) with the same template and length; eval and tune prompt the same way
     regen = cfg["regenerate"].data
-    assert (regen.source, regen.max_length, regen.chat_template_kwargs) == ("sharegpt", max_length, thinking)
+    assert (regen.max_length, regen.chat_template_kwargs) == (max_length, thinking)
+    if preset == "llama3.1-8b-instruct":  # 500k prompts: the embedded ShareGPT and two Hub sets, weights in prompts
+        assert regen.max_conversations == 500_000 == sum(regen.sources.values()) and regen.sources["sharegpt"] < 17_322
+    else:
+        assert regen.source == "sharegpt" and regen.sources is None
     assert cfg["eval"].eval.chat_template_kwargs == cfg["tune"].chat_template_kwargs == thinking
     train = cfg["train"]
-    assert (train.train.lr, train.train.epochs, train.train.micro_batch_size, train.ttt.ttt_steps) == (1e-4, 10, 1, 7)
+    epochs = 3 if preset == "llama3.1-8b-instruct" else 10  # 500k conversations: 3 epochs (speculators #751)
+    assert (train.train.lr, train.train.epochs, train.train.micro_batch_size, train.ttt.ttt_steps) == (1e-4, epochs, 1, 7)
     assert train.engine.kind == "deepspeed"
     assert train.engine.zero_stage == (3 if "70b" in preset else 2)
     assert train.train.dtype == "bf16"

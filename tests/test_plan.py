@@ -361,6 +361,50 @@ def test_the_plan_file_reads_back_through_its_type(tmp_path):
             JobPlan.load(tmp_path / f"{name}.json")
 
 
+def test_the_regeneration_is_priced_by_its_decoding_step():
+    base = ["preset=llama3.1-8b-instruct", "conversations=1000", "tokens_per_conversation=2000", "regenerate=true"]
+    r = plan_of(*base).regeneration
+    # given tokens count as answers (loss share 1); Llama-3.1-8B's KV cache: 2 x 32 layers x 8 heads x 128 x 2 bytes
+    assert r["answer_tokens"] == 2_000_000 and r["prompt_tokens"] == 0
+    assert r["kv_bytes_per_token"] == 131_072
+    assert (r["gpus_per_replica"], r["replicas"], r["sequences"]) == (1, 8, 64)  # 16 GB of weights fit one GPU
+    weights = 2 * 8_030_261_248
+    step = (weights + 64 * 1000 * 131_072) / (3.35e12 * 0.7)  # memory-bound: each step reads weights and KV once
+    assert r["bound"] == "memory" and r["step_ms"] == pytest.approx(1e3 * step)
+    assert r["hours"] == pytest.approx(2_000_000 / (8 * 64 / step) / 3600)
+    # twice the bandwidth, half the step; a larger batch reads the weights once for more tokens
+    assert plan_of(*base, "memory_bandwidth_tbs=6.7").regeneration["step_ms"] == pytest.approx(r["step_ms"] / 2)
+    wide = plan_of(*base, "regenerate_batch=256").regeneration
+    assert wide["sequences"] == 256 and wide["tokens_per_s"] > 1.5 * r["tokens_per_s"]
+    # as many as the KV cache holds, at most
+    assert plan_of(*base, "regenerate_batch=100000").regeneration["sequences"] == r["sequences_that_fit"] < 100000
+    # 70B in bf16 (141 GB) takes 4 GPUs of 80 GiB a replica (half of the memory left for the KV cache)
+    big = plan_of("preset=llama3.3-70b-instruct", "conversations=1000", "tokens_per_conversation=2000",
+                  "regenerate=true").regeneration
+    assert big["gpus_per_replica"] == 4 and big["replicas"] == 8 // 4
+    # a mixture of experts reads all its weights but computes with the active ones only
+    moe = plan_of("preset=qwen3-30b-a3b", "conversations=1000", "tokens_per_conversation=2000", "regenerate=true",
+                  "regenerate_batch=2048", "memory_bandwidth_tbs=1000").regeneration
+    assert moe["bound"] == "compute"
+    compute = 2 * 3_353_020_416 * moe["sequences"] / (moe["gpus_per_replica"] * 989e12 * 0.4)
+    assert moe["step_ms"] == pytest.approx(1e3 * compute)
+
+
+def test_the_plan_regenerates_only_answers_that_do_not_exist_yet(tmp_path):
+    # the presets train on what regenerate writes: while it does not exist, the plan prices writing it
+    preset = plan_of("preset=qwen3-8b", "conversations=100", "tokens_per_conversation=500")
+    assert preset.regeneration is None  # both sizes given: nothing stood in for the source
+    estimated = plan_of("preset=qwen3-8b", "data.max_conversations=50")
+    assert estimated.regeneration is not None and estimated.compute["regenerate_h"] == estimated.regeneration["hours"]
+    assert plan_of("preset=qwen3-8b", "data.max_conversations=50", "regenerate=false").regeneration is None
+    source = tmp_path / "convs.jsonl"
+    record = {"messages": [{"role": "user", "content": "a" * 40}, {"role": "assistant", "content": "b" * 400}]}
+    source.write_text((json.dumps(record) + "\n") * 4)
+    assert plan_of(f"data.source={source}").regeneration is None
+    with pytest.raises(ConfigError, match="bandwidth_share"):
+        plan_of("bandwidth_share=0")
+
+
 LONG = "data.max_length=16384"
 
 
@@ -405,7 +449,7 @@ def fledge(*args: str) -> subprocess.CompletedProcess:
 
 LABELS = ("cache_bytes_per_token", "cache_disk_gib", "total_offline_gib", "total_online_gib", "fits_offline",
           "draft_flops_per_token", "time_per_epoch_offline_h", "time_per_epoch_online_h", "recommended_mode",
-          "recommended_fits")
+          "recommended_fits", "regenerate_tokens_per_s", "regenerate_h")
 
 
 @pytest.mark.parametrize("preset", PRESETS)
