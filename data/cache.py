@@ -74,10 +74,18 @@ class CacheConfig:
     verify_on_read: bool = False
     """``fledge train``: re-hash every shard (sha256) when the cache is opened, on top of the size and header check
     every read makes; for a cache suspected of damage (each rank reads the whole cache once more)."""
+    engine: str = "hf"
+    """``fledge cache``: what runs the verifier. ``hf``: the Hugging Face model in this process; ``vllm``: vLLM, in
+    its own environment (``make vllm-env``), through its hidden-state capture (``data/vllm_capture.py``): the same
+    shards, within the storage dtype's rounding of ``hf``'s. Training online always runs ``hf``."""
+    vllm_python: str | None = None
+    """``engine=vllm``: the Python of vLLM's environment (None: ``$FLEDGE_VLLM_PYTHON``, else ``.venv-vllm``)."""
 
     def __post_init__(self) -> None:
         if self.batch_tokens < 1 or self.max_batch_size < 1 or self.shard_bytes < 1:
             raise ConfigError("cache.batch_tokens, cache.max_batch_size and cache.shard_bytes must be positive")
+        if self.engine not in ("hf", "vllm"):
+            raise ConfigError(f"cache.engine must be hf or vllm, got {self.engine!r}")
 
 
 @dataclass

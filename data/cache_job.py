@@ -91,7 +91,8 @@ def _config_hash(cfg: CacheJobConfig, fingerprint: str) -> str:
         del payload["data"]["sources"]  # a single source hashes as it did before mixtures existed
     for placement in ("home", "device_map"):  # where the verifier is kept or placed does not change its states
         payload["verifier"].pop(placement, None)
-    unbound = {"dir", "overwrite", "device", "verify_on_resume", "verify_on_read"}  # how it is built or read, not what
+    # how it is built or read, not what (the engine is bound in the plan record, and only when it is vllm)
+    unbound = {"dir", "overwrite", "device", "verify_on_resume", "verify_on_read", "engine", "vllm_python"}
     payload["cache"] = {k: v for k, v in asdict(cfg.cache).items() if k not in unbound}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -166,6 +167,8 @@ def prepare(cfg: CacheJobConfig, info: DistInfo, device: torch.device) -> Prepar
         "plan_sha256": hashlib.sha256(json.dumps(plan.shards).encode()).hexdigest(),
         "num_shards": len(plan.shards),
     }
+    if cfg.cache.engine != "hf":  # (an hf cache's record is as it was before there was a choice)
+        plan_record["engine"] = cfg.cache.engine
     return Prepared(
         verifier=verifier,
         samples=samples,
@@ -247,11 +250,14 @@ def capture_batch(
     return rows
 
 
-def cache_shard(verifier: Verifier, samples: list[Tokenized], batches: list[list[int]], storage: torch.dtype, on_batch=None):
-    """Run the verifier over one shard's batches; returns per-conversation tensors in shard order."""
+def cache_shard(verifier: Verifier, samples: list[Tokenized], batches: list[list[int]], storage: torch.dtype,
+                on_batch=None, capture=None):
+    """Run the verifier over one shard's batches; returns per-conversation tensors in shard order. ``capture``:
+    what makes a batch's rows (``capture_batch``'s arguments after the verifier; None: ``capture_batch``)."""
+    capture = capture or (lambda samples_, batch_, storage_: capture_batch(verifier, samples_, batch_, storage_))
     conv_ids, ids_out, mask_out, aux_out, final_out = [], [], [], [], []
     for batch in batches:
-        for i, row in zip(batch, capture_batch(verifier, samples, batch, storage)):
+        for i, row in zip(batch, capture(samples, batch, storage)):
             conv_ids.append(i)
             ids_out.append(row["input_ids"])
             mask_out.append(row["loss_mask"])
@@ -292,7 +298,9 @@ class ShardWriter:
             raise self.error
 
 
-def write_manifest(cache_dir: Path, cfg: CacheJobConfig, prep: Prepared) -> dict[str, Any]:
+def write_manifest(cache_dir: Path, cfg: CacheJobConfig, prep: Prepared,
+                   engine: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``engine``: what captured the states when it was not the hf engine (recorded as the manifest's ``engine``)."""
     shards = []
     for s in range(len(prep.plan.shards)):
         record = complete_shard(cache_dir, s, verify=False)
@@ -300,6 +308,8 @@ def write_manifest(cache_dir: Path, cfg: CacheJobConfig, prep: Prepared) -> dict
             raise CacheError(f"{cache_dir}: shard {s} is not complete", fix="rerun `fledge cache` to finish it")
         shards.append(record)
     manifest = manifest_record(cfg, prep, shards)
+    if engine is not None:
+        manifest["engine"] = engine
     atomic_write_text(cache_dir / "manifest.json", json.dumps(manifest, indent=1))
     return manifest
 
@@ -352,6 +362,16 @@ def run(cfg: CacheJobConfig) -> Path:
 
 def _run(cfg: CacheJobConfig, info: DistInfo, device: torch.device) -> Path:
     cache_dir = Path(cfg.cache.dir)
+    python, vllm_version = None, None
+    if cfg.cache.engine == "vllm":  # refused before anything is read or loaded when it cannot run
+        from fledge.data.vllm_capture import check_capture
+        from fledge.data.vllm_engine import find_vllm_python
+
+        if info.world_size > 1:
+            raise ConfigError(f"cache.engine=vllm runs in one process (got {info.world_size} ranks)",
+                              fix="run fledge cache without torchrun (vLLM spreads a verifier over GPUs itself)")
+        python = find_vllm_python(cfg.cache.vllm_python)
+        vllm_version = check_capture(python)
     if info.is_main:
         resolve_verifier_dir(cfg.verifier)  # convert a GGUF once, before the other ranks look for it
     barrier()
@@ -381,16 +401,25 @@ def _run(cfg: CacheJobConfig, info: DistInfo, device: torch.device) -> Path:
     total = sum(lengths[i] for s in todo for i in prep.plan.conversations(s))
     bar = tqdm(total=total, unit="tok", unit_scale=True, desc=f"cache[{info.rank}]", disable=not info.is_main, smoothing=0.1)
     writer = ShardWriter(cache_dir)
+    engine = None
     try:
+        if python is not None and todo:
+            from fledge.data.vllm_capture import VllmCapture
+
+            engine = VllmCapture(prep.verifier, python, cfg.data.max_length, cfg.cache.max_batch_size,
+                                 cache_dir / "vllm.log")
         for s in todo:
-            shard = cache_shard(prep.verifier, prep.samples, prep.plan.shards[s], storage, on_batch=bar.update)
+            shard = cache_shard(prep.verifier, prep.samples, prep.plan.shards[s], storage, on_batch=bar.update,
+                                capture=engine.capture_batch if engine else None)
             writer.put(s, shard)
     finally:
+        if engine is not None:
+            engine.close()
         writer.close()
         bar.close()
     barrier()
     if info.is_main:
-        manifest = write_manifest(cache_dir, cfg, prep)
+        manifest = write_manifest(cache_dir, cfg, prep, {"name": "vllm", "version": vllm_version} if python else None)
         log.info(
             "cache %s: %d conversations, %d tokens (%d in the loss), %d shards, %.1f MB (%.0f bytes/token)",
             cache_dir,

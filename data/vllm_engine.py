@@ -21,7 +21,8 @@ log = logging.getLogger(__name__)
 
 WORKER = Path(__file__).resolve().parent / "vllm_worker.py"
 REPO = Path(__file__).resolve().parents[1]
-INSTALL = "make vllm-env (vLLM's CPU build in .venv-vllm), or regenerate.vllm_python=<a python with vllm installed>"
+INSTALL = ("make vllm-env (vLLM's CPU build in .venv-vllm), or point regenerate.vllm_python / cache.vllm_python at a "
+           "Python with vLLM installed")
 
 
 class EngineError(FledgeError, RuntimeError):
@@ -87,6 +88,10 @@ class VllmEngine:
         reply = self._call({"prompts": prompts, "max_tokens": max_tokens, "stop_ids": stop_ids,
                             "temperature": temperature, "top_p": top_p, "seeds": seeds})
         return reply["outputs"]
+
+    def capture(self, prompts: list[list[int]]) -> list[str]:
+        """The safetensors file of each prompt's captured states (an engine started with ``"capture": true``)."""
+        return self._call({"capture": prompts})["files"]
 
     def close(self) -> None:
         if self._proc.poll() is None:
