@@ -75,10 +75,18 @@ class PlanBenchConfig:
     threads: int = 0
     """Torch threads in the measured process; 0 keeps torch's default."""
     seed: int = 0
+    fake: bool = False
+    """Run the step under PyTorch's fake tensors (``plan/fake.py``): no data is allocated, so any shape runs
+    (``verifier=meta-llama/Llama-3.3-70B-Instruct seq_len=8192``) at its own length, whatever ``ram_limit_gib``; the
+    live-byte peak is compared with the plan's."""
+    dtype: str = "fp32"
+    """``fake=true``: the step's compute dtype, ``fp32`` or ``bf16`` (autocast, as the presets train)."""
 
     def __post_init__(self) -> None:
         if self.ttt_steps < 1 or self.seq_len < 16 or self.batch_size < 1 or self.ram_limit_gib <= 0:
             raise ConfigError("need ttt_steps >= 1, seq_len >= 16, batch_size >= 1 and ram_limit_gib > 0")
+        if self.dtype not in ("fp32", "bf16") or (self.dtype == "bf16" and not self.fake):
+            raise ConfigError(f"dtype={self.dtype!r}: fp32, or bf16 with fake=true (the measured step runs in fp32)")
 
 
 def draft_of(shape: VerifierShape, draft_vocab_size: int) -> Eagle3Config:
@@ -123,6 +131,8 @@ def measure(job: JobShape, threads: int, seed: int, timeout_s: float = 3600) -> 
 def run(cfg: PlanBenchConfig) -> dict[str, Any]:
     shape, source = resolve_shape(VerifierConfig(name_or_path=cfg.verifier), cfg.shape)
     draft = draft_of(shape, cfg.draft_vocab_size)
+    if cfg.fake:
+        return run_fake(cfg, shape, draft, source)
     job = JobShape(draft, shape, cfg.batch_size, cfg.seq_len, cfg.ttt_steps, "fp32")
     asked = predict(job).total
     limit = cfg.ram_limit_gib * GIB
@@ -172,6 +182,34 @@ def run(cfg: PlanBenchConfig) -> dict[str, Any]:
             "child": result, "config": asdict(cfg)}
 
 
+def run_fake(cfg: PlanBenchConfig, shape: VerifierShape, draft: Eagle3Config, source: str) -> dict[str, Any]:
+    """The plan's peak against one fake step's (``plan/fake.py``), at the asked length: what the step adds and the
+    whole. The split between the two can differ where the plan counts a tensor among the persistent ones that the
+    code makes during the step (autocast's bf16 copies of the weights); the total is what a GPU must hold."""
+    from fledge.plan.fake import fake_step
+
+    job = JobShape(draft, shape, cfg.batch_size, cfg.seq_len, cfg.ttt_steps, cfg.dtype)
+    memory = predict(job)
+    start = time.perf_counter()
+    fake = fake_step(draft, cfg.batch_size, cfg.seq_len, cfg.ttt_steps, cfg.seed, cfg.dtype)
+    seconds = time.perf_counter() - start
+    total = fake["persistent_bytes"] + fake["step_bytes"]
+    error = 100 * (memory.total - total) / total
+    print(f"draft of {cfg.verifier} (shape from {source}): hidden {draft.hidden_size}, vocabulary "
+          f"{draft.vocab_size:,}, draft vocabulary {draft.draft_vocab_size:,}, TTT {cfg.ttt_steps}, micro-batch "
+          f"{cfg.batch_size} x {cfg.seq_len:,} tokens, {cfg.dtype}, one process, AdamW; one step under fake tensors "
+          f"({seconds:.1f} s, no data allocated)\n")
+    print(f"plan_fake_seq_len {cfg.seq_len}")
+    print(f"plan_fake_step_gib {fake['step_bytes'] / GIB:.3f}")
+    print(f"plan_fake_predicted_step_gib {step_bytes(memory) / GIB:.3f}")
+    print(f"plan_fake_total_gib {total / GIB:.3f}")
+    print(f"plan_fake_predicted_total_gib {memory.total / GIB:.3f}")
+    print(f"plan_fake_total_error_pct {error:+.2f}")
+    return {"seq_len": cfg.seq_len, "dtype": cfg.dtype, "fake_step_gib": fake["step_bytes"] / GIB,
+            "fake_total_gib": total / GIB, "predicted_total_gib": memory.total / GIB, "total_error_pct": error,
+            "predicted_step_gib": step_bytes(memory) / GIB, "config": asdict(cfg)}
+
+
 class LiveBytes(TorchDispatchMode):
     """Bytes of the tensor storages alive, and their peak, as the ops that make them run. Storages ``add``-ed
     before the trace starts count too (a view of one is not a new storage)."""
@@ -210,10 +248,11 @@ def _resident() -> tuple[int, int]:
     return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
 
 
-def _measured_step(spec: dict[str, Any]) -> dict[str, Any]:
-    """The child process: the draft, the batch and AdamW's states, the baseline, then one step."""
-    import gc
-
+def built_step(config: Eagle3Config, b: int, t: int, ttt_steps: int, seed: int,
+               dtype: str = "fp32") -> tuple[Any, dict, LiveBytes, int]:
+    """(the engine, the batch, a tracker of live bytes, the bytes that exist before the step): the draft, a synthetic
+    batch and teacher on which every position is counted (the plan's worst case, as ``fledge bench train``), and
+    AdamW's moments, as the step after the first finds them. The tracker counts from zero from here on."""
     from fledge.core.dist import DistInfo
     from fledge.models.draft import Eagle3Draft
     from fledge.train.bench import synthetic_head, synthetic_states
@@ -221,20 +260,14 @@ def _measured_step(spec: dict[str, Any]) -> dict[str, Any]:
     from fledge.train.engine import EngineConfig, TorchEngine, TTTModule
     from fledge.train.ttt import TTTConfig
 
-    if spec["threads"]:
-        torch.set_num_threads(spec["threads"])
-    torch.manual_seed(spec["seed"])
-    config = Eagle3Config.from_dict(spec["draft"])
-    b, t = spec["batch"], spec["seq_len"]
-    gen = torch.Generator().manual_seed(spec["seed"])
-    draft = Eagle3Draft(config, seed=spec["seed"])
-    # As `fledge bench train`: every position counted (the plan's worst case).
+    gen = torch.Generator().manual_seed(seed)
+    draft = Eagle3Draft(config, seed=seed)
     head = synthetic_head(config, gen)
     batch = synthetic_states(config, b, t, gen)
-    module = TTTModule(draft, head, TTTConfig(ttt_steps=spec["ttt_steps"]))
+    module = TTTModule(draft, head, TTTConfig(ttt_steps=ttt_steps))
     del head  # as train/loop.py: the module keeps the teacher's split of the head
     engine = TorchEngine(
-        module, TrainConfig(max_steps=2, dtype="fp32", warmup_steps=0), EngineConfig(), DistInfo(), torch.device("cpu"), 2,
+        module, TrainConfig(max_steps=2, dtype=dtype, warmup_steps=0), EngineConfig(), DistInfo(), torch.device("cpu"), 2,
     )
     # AdamW creates its moments at its first step: one step on zero gradients (an update of zero) creates them, so
     # that the measured step holds what every step after the first holds, without a second forward and backward.
@@ -242,9 +275,6 @@ def _measured_step(spec: dict[str, Any]) -> dict[str, Any]:
         p.grad = torch.zeros_like(p)
     engine.optimizer.step()
     engine.optimizer.zero_grad(set_to_none=True)
-    torch.ones(8, 8) @ torch.ones(8, 8)  # the BLAS loaded
-    gc.collect()
-    # the baseline: the tensors that exist now (counted exactly), the resident set, the high-water mark reset
     tracker = LiveBytes()
     state = [v for s in engine.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     teacher = [module.teacher.inside, module.teacher.outside]
@@ -252,14 +282,35 @@ def _measured_step(spec: dict[str, Any]) -> dict[str, Any]:
         tracker.add(tensor)
     persistent = tracker.bytes
     tracker.bytes = tracker.peak = 0  # from here on: what the step adds
+    return engine, batch, tracker, persistent
+
+
+def run_step(engine: Any, batch: dict) -> tuple[torch.Tensor, dict]:
+    loss, metrics = engine.forward(batch)
+    engine.backward(loss, boundary=True)
+    engine.step()
+    return loss, metrics
+
+
+def _measured_step(spec: dict[str, Any]) -> dict[str, Any]:
+    """The child process: the draft, the batch and AdamW's states, the baseline, then one step."""
+    import gc
+
+    if spec["threads"]:
+        torch.set_num_threads(spec["threads"])
+    torch.manual_seed(spec["seed"])
+    config = Eagle3Config.from_dict(spec["draft"])
+    engine, batch, tracker, persistent = built_step(config, spec["batch"], spec["seq_len"], spec["ttt_steps"],
+                                                    spec["seed"])
+    torch.ones(8, 8) @ torch.ones(8, 8)  # the BLAS loaded
+    gc.collect()
+    # the baseline: the tensors that exist now (counted exactly), the resident set, the high-water mark reset
     with open("/proc/self/clear_refs", "w") as fh:
         fh.write("5")  # resets VmHWM to the current resident set
     baseline, hwm = _resident()
     start = time.perf_counter()
     with tracker:
-        loss, metrics = engine.forward(batch)
-        engine.backward(loss, boundary=True)
-        engine.step()
+        loss, metrics = run_step(engine, batch)
     elapsed = time.perf_counter() - start
     _, peak = _resident()
     return {"baseline_rss_bytes": baseline, "baseline_hwm_bytes": hwm, "peak_rss_bytes": peak,

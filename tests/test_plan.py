@@ -20,8 +20,9 @@ from fledge.launch.cli import compose_config
 from fledge.models.draft import Eagle3Config, Eagle3Draft
 from fledge.models.shapes import KNOWN_SHAPES, VerifierShape, read_gguf_header, resolve_shape, shape_from_gguf
 from fledge.models.verifier import VerifierConfig, embedded_gguf
-from fledge.plan.bench import LiveBytes, PlanBenchConfig, draft_of
+from fledge.plan.bench import LiveBytes, PlanBenchConfig, built_step, draft_of, run_step
 from fledge.plan.bench import run as bench_run
+from fledge.plan.fake import fake_step
 from fledge.plan.job import JobPlan, estimate_data, make_plan
 from fledge.plan.memory import (
     GIB,
@@ -372,6 +373,8 @@ def test_the_regeneration_is_priced_by_its_decoding_step():
     step = (weights + 64 * 1000 * 131_072) / (3.35e12 * 0.7)  # memory-bound: each step reads weights and KV once
     assert r["bound"] == "memory" and r["step_ms"] == pytest.approx(1e3 * step)
     assert r["hours"] == pytest.approx(2_000_000 / (8 * 64 / step) / 3600)
+    assert r["overrides"] == ("regenerate.engine=vllm regenerate.vllm_tensor_parallel_size=1 "
+                              "regenerate.vllm_data_parallel_size=8 regenerate.batch_size=64")
     # twice the bandwidth, half the step; a larger batch reads the weights once for more tokens
     assert plan_of(*base, "memory_bandwidth_tbs=6.7").regeneration["step_ms"] == pytest.approx(r["step_ms"] / 2)
     wide = plan_of(*base, "regenerate_batch=256").regeneration
@@ -382,6 +385,7 @@ def test_the_regeneration_is_priced_by_its_decoding_step():
     big = plan_of("preset=llama3.3-70b-instruct", "conversations=1000", "tokens_per_conversation=2000",
                   "regenerate=true").regeneration
     assert big["gpus_per_replica"] == 4 and big["replicas"] == 8 // 4
+    assert "vllm_tensor_parallel_size=4 regenerate.vllm_data_parallel_size=2" in big["overrides"]
     # a mixture of experts reads all its weights but computes with the active ones only
     moe = plan_of("preset=qwen3-30b-a3b", "conversations=1000", "tokens_per_conversation=2000", "regenerate=true",
                   "regenerate_batch=2048", "memory_bandwidth_tbs=1000").regeneration
@@ -499,3 +503,29 @@ def test_bench_plan_predicts_a_measured_step_within_15_percent(capsys):
     assert abs(result["total_error_pct"]) <= 15, result
     out = capsys.readouterr().out
     assert "plan_memory_error_pct" in out and "plan_memory_measured_gib" in out
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_fake_step_holds_what_the_real_one_holds(dtype):
+    """Under fake tensors, with the data-dependent ops answered from the calibration at 64 and 128 tokens, a step
+    allocates what the real step allocates, byte for byte: at 1,300 tokens (the loss's chunks of 1,024 positions run
+    twice) and with a batch of two."""
+    config = Eagle3Config(hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=2,
+                          head_dim=16, vocab_size=700, draft_vocab_size=300, target_hidden_size=96)
+    for length in (200, 1300):
+        engine, batch, tracker, persistent = built_step(config, 2, length, 3, 0, dtype)
+        with tracker:
+            run_step(engine, batch)
+        fake = fake_step(config, 2, length, 3, 0, dtype)
+        assert fake == {"step_bytes": tracker.peak, "persistent_bytes": persistent}, length
+
+
+def test_bench_plan_checks_the_plan_at_shapes_no_cpu_holds(capsys):
+    """An 8B draft at 8,192 tokens (over 37 GiB in fp32) runs as a fake step; the plan's total is within 1 %."""
+    result = bench_run(PlanBenchConfig(fake=True, seq_len=8192))
+    assert result["seq_len"] == 8192 and result["fake_total_gib"] > 30
+    assert abs(result["total_error_pct"]) < 1, result
+    out = capsys.readouterr().out
+    assert "plan_fake_total_error_pct" in out and "plan_fake_total_gib" in out
+    with pytest.raises(ConfigError, match="bf16 with fake=true"):
+        PlanBenchConfig(dtype="bf16")
