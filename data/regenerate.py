@@ -27,8 +27,10 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -94,6 +96,10 @@ class RegenerateOptions:
     in the checkout (``make vllm-env`` builds it)."""
     vllm_tensor_parallel_size: int = 1
     """engine=vllm: GPUs one verifier is split over (vLLM's ``tensor_parallel_size``)."""
+    vllm_data_parallel_size: int = 1
+    """engine=vllm: verifier replicas, each a vLLM engine of its own on ``vllm_tensor_parallel_size`` GPUs of its own
+    (``CUDA_VISIBLE_DEVICES``), answering parts in turn (vLLM's data parallelism offline is one engine per replica);
+    on a CPU they share its cores."""
     vllm_max_num_seqs: int = 256
     """engine=vllm: sequences vLLM decodes at once (its ``max_num_seqs``); a part holds ``batch_size``."""
     vllm_enforce_eager: bool = False
@@ -115,7 +121,7 @@ class RegenerateOptions:
             raise ConfigError(f"regenerate.top_p must be in (0, 1], got {self.top_p}")
         if self.engine not in ("hf", "vllm"):
             raise ConfigError(f"regenerate.engine must be 'hf' or 'vllm', got {self.engine!r}")
-        for name in ("vllm_tensor_parallel_size", "vllm_max_num_seqs"):
+        for name in ("vllm_tensor_parallel_size", "vllm_data_parallel_size", "vllm_max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"regenerate.{name} must be >= 1, got {getattr(self, name)}")
         if self.parts is not None and (not self.parts or min(self.parts) < 0):
@@ -295,8 +301,8 @@ def _plan_record(cfg: RegenerateJobConfig, name: str, fingerprint: str, prompts:
     h = hashlib.sha256()
     for p in prompts:
         h.update(json.dumps([p.index, p.system, p.questions]).encode())
-    where = ("out_dir", "device", "overwrite", "vllm_python", "vllm_tensor_parallel_size", "vllm_max_num_seqs",
-             "vllm_enforce_eager")
+    where = ("out_dir", "device", "overwrite", "vllm_python", "vllm_tensor_parallel_size", "vllm_data_parallel_size",
+             "vllm_max_num_seqs", "vllm_enforce_eager")
     opts = {k: v for k, v in asdict(cfg.regenerate).items() if k not in where}
     if opts["parts"] is None:
         del opts["parts"]  # a whole run's record reads as it did before slices existed
@@ -387,7 +393,10 @@ def _vllm_weights(cfg: VerifierConfig) -> _Weights:
     return _Weights(load_tokenizer(cfg, path), cfg.name_or_path, weight_fingerprint(path), path, gen)
 
 
-def _start_vllm(cfg: RegenerateJobConfig, weights: _Weights, python: Path, log_path: Path, device: torch.device):
+def _start_vllm(cfg: RegenerateJobConfig, weights: _Weights, python: Path, log_path: Path, device: torch.device,
+                replica: int = 0):
+    """Replica ``replica``'s engine: on a GPU machine, on GPUs replica * tp .. (replica + 1) * tp - 1 of the ones
+    this process sees."""
     from fledge.data.vllm_engine import VllmEngine, cpu_env, vllm_dtype
 
     opts = cfg.regenerate
@@ -403,7 +412,17 @@ def _start_vllm(cfg: RegenerateJobConfig, weights: _Weights, python: Path, log_p
         "trust_remote_code": cfg.verifier.trust_remote_code,
         "enforce_eager": opts.vllm_enforce_eager,
     }
-    return VllmEngine(python, settings, log_path, env=cpu_env())
+    env = cpu_env()
+    if device.type == "cuda":
+        tp = opts.vllm_tensor_parallel_size
+        seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = seen.split(",") if seen else [str(i) for i in range(torch.cuda.device_count())]
+        mine = ids[replica * tp: (replica + 1) * tp]
+        if len(mine) < tp:
+            raise ConfigError(f"regenerate.vllm_data_parallel_size x vllm_tensor_parallel_size needs "
+                              f"{(replica + 1) * tp} GPUs, this process sees {len(ids)}")
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
+    return VllmEngine(python, settings, log_path, env=env)
 
 
 def _run(cfg: RegenerateJobConfig, info: DistInfo, device: torch.device) -> Path:
@@ -455,22 +474,16 @@ def _run(cfg: RegenerateJobConfig, info: DistInfo, device: torch.device) -> Path
     start = time.perf_counter()
     produced = 0
     bar = tqdm(total=sum(len(parts[p]) for p in todo), unit="conv", desc=f"regenerate[{info.rank}]", disable=not info.is_main)
+    counting = threading.Lock()
 
     def count(n: int) -> None:
         nonlocal produced
-        produced += n
-        bar.set_postfix_str(f"{produced:,} tokens, {produced / max(1e-9, time.perf_counter() - start):.0f} tok/s")
+        with counting:  # (replicas answer on threads of their own)
+            produced += n
+            bar.set_postfix_str(f"{produced:,} tokens, {produced / max(1e-9, time.perf_counter() - start):.0f} tok/s")
 
-    engine, engine_info = None, {}
-    try:
-        if python is None:
-            answers = HFAnswers(weights, opts, stop_ids)
-        elif todo:
-            engine = _start_vllm(cfg, weights, python, out_dir / "vllm.log", device)
-            answers = VllmAnswers(engine, opts, stop_ids)
-            engine_info = {"engine": "vllm", **{k: engine.info[k] for k in ("vllm", "torch", "load_seconds")}}
-            start = time.perf_counter()  # tokens/s of decoding, as for hf (whose load came before the data)
-        for p in todo:
+    def answer_parts(answers: HFAnswers | VllmAnswers, mine: list[int]) -> None:
+        for p in mine:
             records = regenerate_part(answers.part(opts.seed + p), weights.tokenizer, [prompts[i] for i in parts[p]],
                                       cfg, count)
             atomic_write_text(
@@ -479,9 +492,31 @@ def _run(cfg: RegenerateJobConfig, info: DistInfo, device: torch.device) -> Path
             bar.update(len(parts[p]))
             if os.environ.get("FLEDGE_FAULT") == f"regenerate_after_part_{p}":
                 os._exit(137)  # fault injection for the resume test: die like kill -9 right after this part
+
+    engines, engine_info = [], {}
+    try:
+        if python is None:
+            answer_parts(HFAnswers(weights, opts, stop_ids), todo)
+        elif todo:
+            replicas = min(opts.vllm_data_parallel_size, len(todo))
+            with ThreadPoolExecutor(replicas) as pool:  # the replicas start side by side
+                engines = list(pool.map(lambda r: _start_vllm(cfg, weights, python, out_dir / f"vllm-{r}.log"
+                                                              if replicas > 1 else out_dir / "vllm.log", device, r),
+                                        range(replicas)))
+            first = engines[0].info
+            engine_info = {"engine": "vllm", "vllm": first["vllm"], "torch": first["torch"],
+                           "load_seconds": max(e.info["load_seconds"] for e in engines)}
+            if replicas > 1:
+                engine_info["replicas"] = replicas
+            start = time.perf_counter()  # tokens/s of decoding, as for hf (whose load came before the data)
+            with ThreadPoolExecutor(replicas) as pool:  # parts dealt in turn; each replica answers its own
+                done = [pool.submit(answer_parts, VllmAnswers(e, opts, stop_ids), todo[r::replicas])
+                        for r, e in enumerate(engines)]
+                for future in done:
+                    future.result()
     finally:
         bar.close()
-        if engine is not None:
+        for engine in engines:
             engine.close()
     seconds = time.perf_counter() - start
     barrier()

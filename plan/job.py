@@ -428,6 +428,8 @@ def regeneration(shape: VerifierShape, cfg: PlanJobConfig, data: DataEstimate, d
         "kv_bytes_per_token": kv_per_token, "step_ms": 1e3 * step_s, "bound": "memory" if read_s >= compute_s else
         "compute", "tokens_per_s": decode_rate, "tokens_per_s_per_gpu": decode_rate / (replicas * gpus),
         "prefill_h": prefill_s / 3600, "hours": seconds / 3600,
+        "overrides": (f"regenerate.engine=vllm regenerate.vllm_tensor_parallel_size={gpus} "
+                      f"regenerate.vllm_data_parallel_size={replicas} regenerate.batch_size={sequences}"),
     }
 
 
@@ -720,6 +722,7 @@ def _regeneration_rows(r: dict[str, Any] | None) -> list[str]:
         _row("regenerate_tokens_per_s", f"{r['tokens_per_s']:,.0f}",
              f"{r['tokens_per_s_per_gpu']:,.0f} per GPU, all replicas decoding"),
         _row("regenerate_h", f"{r['hours']:.3g}", f"prefill {r['prefill_h']:.2g} h of it"),
+        f"  run it as: fledge regenerate preset=... {r['overrides']}",
     ]
 
 

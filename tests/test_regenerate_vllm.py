@@ -55,6 +55,8 @@ def test_engine_settings_are_checked():
         RegenerateOptions(engine="sglang")
     with pytest.raises(ConfigError, match="vllm_tensor_parallel_size"):
         RegenerateOptions(engine="vllm", vllm_tensor_parallel_size=0)
+    with pytest.raises(ConfigError, match="vllm_data_parallel_size"):
+        RegenerateOptions(engine="vllm", vllm_data_parallel_size=0)
 
 
 def overrides(source: Path, out: Path, **extra) -> list[str]:
@@ -88,14 +90,17 @@ def sharegpt(tmp_path_factory) -> Path:
 @pytest.mark.slow
 @needs_vllm
 def test_vllm_answers_equal_hf_in_float32_greedy(tmp_path, sharegpt):
+    # two vLLM replicas (data parallelism: parts dealt in turn to two engines) answer what one hf loop answers
     hf = read_jsonl(run_stage("regenerate", overrides(sharegpt, tmp_path / "hf")))
-    vllm = read_jsonl(run_stage("regenerate", overrides(sharegpt, tmp_path / "vllm", **{"regenerate.engine": "vllm"})))
+    vllm = read_jsonl(run_stage("regenerate", overrides(sharegpt, tmp_path / "vllm", **{
+        "regenerate.engine": "vllm", "regenerate.vllm_data_parallel_size": 2})))
     assert len(hf) == 12 and [r["id"] for r in vllm] == [r["id"] for r in hf]
     assert sum(len(r["finish"]) for r in hf) > 12  # second turns were answered too
     for a, b in zip(hf, vllm):
         assert a["messages"] == b["messages"] and a["finish"] == b["finish"], a["id"]
     manifest = json.loads((tmp_path / "vllm" / "manifest.json").read_text())
     assert manifest["options"]["engine"] == "vllm" and manifest["engine_this_run"]["vllm"]
+    assert manifest["engine_this_run"]["replicas"] == 2 and (tmp_path / "vllm" / "vllm-1.log").is_file()
     assert manifest["new_tokens_this_run"] > 0
     assert "engine" not in json.loads((tmp_path / "hf" / "manifest.json").read_text())["options"]
 
