@@ -393,10 +393,23 @@ def _vllm_weights(cfg: VerifierConfig) -> _Weights:
     return _Weights(load_tokenizer(cfg, path), cfg.name_or_path, weight_fingerprint(path), path, gen)
 
 
+def replica_devices(opts: RegenerateOptions, replicas: int, device: torch.device) -> list[str | None]:
+    """Each replica's ``CUDA_VISIBLE_DEVICES``: ``vllm_tensor_parallel_size`` of the GPUs this process sees, in
+    turn (None on a CPU). Refused before any engine starts when there are too few."""
+    if device.type != "cuda":
+        return [None] * replicas
+    tp = opts.vllm_tensor_parallel_size
+    seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = seen.split(",") if seen else [str(i) for i in range(torch.cuda.device_count())]
+    if replicas * tp > len(ids):
+        raise ConfigError(f"{replicas} replica(s) of {tp} GPU(s) need {replicas * tp} GPUs; this process sees "
+                          f"{len(ids)}", fix="lower regenerate.vllm_data_parallel_size or vllm_tensor_parallel_size")
+    return [",".join(ids[r * tp: (r + 1) * tp]) for r in range(replicas)]
+
+
 def _start_vllm(cfg: RegenerateJobConfig, weights: _Weights, python: Path, log_path: Path, device: torch.device,
-                replica: int = 0):
-    """Replica ``replica``'s engine: on a GPU machine, on GPUs replica * tp .. (replica + 1) * tp - 1 of the ones
-    this process sees."""
+                gpus: str | None = None):
+    """An engine; ``gpus``: its ``CUDA_VISIBLE_DEVICES`` (``replica_devices``)."""
     from fledge.data.vllm_engine import VllmEngine, cpu_env, vllm_dtype
 
     opts = cfg.regenerate
@@ -412,16 +425,7 @@ def _start_vllm(cfg: RegenerateJobConfig, weights: _Weights, python: Path, log_p
         "trust_remote_code": cfg.verifier.trust_remote_code,
         "enforce_eager": opts.vllm_enforce_eager,
     }
-    env = cpu_env()
-    if device.type == "cuda":
-        tp = opts.vllm_tensor_parallel_size
-        seen = os.environ.get("CUDA_VISIBLE_DEVICES")
-        ids = seen.split(",") if seen else [str(i) for i in range(torch.cuda.device_count())]
-        mine = ids[replica * tp: (replica + 1) * tp]
-        if len(mine) < tp:
-            raise ConfigError(f"regenerate.vllm_data_parallel_size x vllm_tensor_parallel_size needs "
-                              f"{(replica + 1) * tp} GPUs, this process sees {len(ids)}")
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
+    env = cpu_env() if gpus is None else {**cpu_env(), "CUDA_VISIBLE_DEVICES": gpus}
     return VllmEngine(python, settings, log_path, env=env)
 
 
@@ -499,10 +503,15 @@ def _run(cfg: RegenerateJobConfig, info: DistInfo, device: torch.device) -> Path
             answer_parts(HFAnswers(weights, opts, stop_ids), todo)
         elif todo:
             replicas = min(opts.vllm_data_parallel_size, len(todo))
+            gpus = replica_devices(opts, replicas, device)
+            logs = [out_dir / "vllm.log"] if replicas == 1 else [out_dir / f"vllm-{r}.log" for r in range(replicas)]
             with ThreadPoolExecutor(replicas) as pool:  # the replicas start side by side
-                engines = list(pool.map(lambda r: _start_vllm(cfg, weights, python, out_dir / f"vllm-{r}.log"
-                                                              if replicas > 1 else out_dir / "vllm.log", device, r),
-                                        range(replicas)))
+                started = [pool.submit(_start_vllm, cfg, weights, python, logs[r], device, gpus[r])
+                           for r in range(replicas)]
+            engines = [f.result() for f in started if f.exception() is None]
+            failed = [f.exception() for f in started if f.exception() is not None]
+            if failed:
+                raise failed[0]  # (the engines that did start are closed below)
             first = engines[0].info
             engine_info = {"engine": "vllm", "vllm": first["vllm"], "torch": first["torch"],
                            "load_seconds": max(e.info["load_seconds"] for e in engines)}

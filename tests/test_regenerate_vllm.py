@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from fledge.core.errors import ConfigError
 from fledge.data.regenerate import RegenerateOptions
@@ -57,6 +58,17 @@ def test_engine_settings_are_checked():
         RegenerateOptions(engine="vllm", vllm_tensor_parallel_size=0)
     with pytest.raises(ConfigError, match="vllm_data_parallel_size"):
         RegenerateOptions(engine="vllm", vllm_data_parallel_size=0)
+
+
+def test_replicas_take_gpus_of_their_own(monkeypatch):
+    from fledge.data.regenerate import replica_devices
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    opts = RegenerateOptions(engine="vllm", vllm_tensor_parallel_size=2, vllm_data_parallel_size=2)
+    assert replica_devices(opts, 2, torch.device("cuda")) == ["4,5", "6,7"]
+    with pytest.raises(ConfigError, match="3 replica\\(s\\) of 2 GPU\\(s\\) need 6 GPUs; this process sees 4"):
+        replica_devices(opts, 3, torch.device("cuda"))
+    assert replica_devices(opts, 2, torch.device("cpu")) == [None, None]
 
 
 def overrides(source: Path, out: Path, **extra) -> list[str]:
