@@ -1,6 +1,6 @@
 """One training step at any shape without its memory: ``fledge bench plan fake=true``.
 
-The step of ``fledge bench plan`` (``plan/bench.py: built_step``) runs under PyTorch's ``FakeTensorMode``: every
+The step of ``fledge bench plan`` (``plan/step.py: built_step``) runs under PyTorch's ``FakeTensorMode``: every
 tensor has its shape, dtype and storage size but no data, so an 8B or 70B draft at 8,192 tokens runs on a laptop, and
 a trace of the storages alive (``LiveBytes``) gives the step's peak as a GPU's allocator would see it. What the planner
 predicts is then checked at the shapes it is used for, not only at the lengths a CPU's memory holds.
@@ -27,6 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fledge.models.draft import Eagle3Config
+from fledge.plan.step import built_step, run_step
 
 NONZERO = torch.ops.aten.nonzero.default
 SCALAR = torch.ops.aten._local_scalar_dense.default
@@ -130,8 +131,6 @@ def fake_step(config: Eagle3Config, batch_size: int, seq_len: int, ttt_steps: in
     """The live-byte peak of one training step (above what exists before it) and those persistent bytes, at any
     shape, with no tensor's data allocated."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from fledge.plan.bench import built_step, run_step
 
     calibration = Calibration()
     for length in CALIBRATION_LENGTHS:

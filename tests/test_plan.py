@@ -20,9 +20,10 @@ from fledge.launch.cli import compose_config
 from fledge.models.draft import Eagle3Config, Eagle3Draft
 from fledge.models.shapes import KNOWN_SHAPES, VerifierShape, read_gguf_header, resolve_shape, shape_from_gguf
 from fledge.models.verifier import VerifierConfig, embedded_gguf
-from fledge.plan.bench import LiveBytes, PlanBenchConfig, built_step, draft_of, run_step
+from fledge.plan.bench import PlanBenchConfig, draft_of
 from fledge.plan.bench import run as bench_run
 from fledge.plan.fake import fake_step
+from fledge.plan.step import LiveBytes, built_step, run_step
 from fledge.plan.job import JobPlan, estimate_data, make_plan
 from fledge.plan.memory import (
     GIB,
