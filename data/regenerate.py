@@ -444,8 +444,9 @@ def _run(cfg: RegenerateJobConfig, info: DistInfo, device: torch.device) -> Path
     if info.is_main:
         resolve_verifier_dir(cfg.verifier)  # convert a GGUF once, before the other ranks look for it
     barrier()
-    weights = _vllm_weights(cfg.verifier) if python else load_verifier(cfg.verifier, device)
+    # The data first: a source that does not exist or yields nothing is refused before the verifier loads.
     conversations, _ = load_conversations(cfg.data)  # logs its own report
+    weights = _vllm_weights(cfg.verifier) if python else load_verifier(cfg.verifier, device)
     prompts = to_prompts(conversations, opts.turns)
     if not prompts:
         raise RegenerateError(f"no user turns to answer in {cfg.data.describe()}", fix="check data.source")

@@ -146,6 +146,21 @@ def test_regenerate_answers_every_turn_with_the_verifier(tmp_path, tiny_verifier
     assert (tmp_path / "regen" / "regenerate_plan.json").is_file() and not (tmp_path / "regen" / "plan.json").exists()
 
 
+def test_a_source_that_yields_nothing_is_refused_before_the_verifier_loads(tmp_path, tiny_verifier_dir, source,
+                                                                          monkeypatch):
+    from fledge.data.sources import DataError
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the verifier was loaded before the data was read")
+
+    monkeypatch.setattr("fledge.data.regenerate.load_verifier", loaded)
+    missing = tmp_path / "none.jsonl"
+    with pytest.raises(DataError, match="none.jsonl"):
+        run_stage("regenerate", regen_overrides(tiny_verifier_dir, source, tmp_path / "out",
+                                                **{"data.sources": f"{{{source}: 1, {missing}: 1}}"}))
+    assert not (tmp_path / "out").exists()
+
+
 def test_answers_never_pass_max_length_and_first_turn_only(tmp_path, tiny_verifier_dir, source, verifier):
     out = run_stage("regenerate", regen_overrides(tiny_verifier_dir, source, tmp_path / "r", **{
         "data.max_length": 48, "regenerate.max_new_tokens": 40, "regenerate.turns": "first"}))
