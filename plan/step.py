@@ -64,7 +64,8 @@ def built_step(config: Eagle3Config, b: int, t: int, ttt_steps: int, seed: int,
     module = TTTModule(draft, head, TTTConfig(ttt_steps=ttt_steps))
     del head  # as train/loop.py: the module keeps the teacher's split of the head
     engine = TorchEngine(
-        module, TrainConfig(max_steps=2, dtype=dtype, warmup_steps=0), EngineConfig(), DistInfo(), torch.device("cpu"), 2,
+        module, TrainConfig(max_steps=2, dtype=dtype, warmup_steps=0), EngineConfig(), DistInfo(),
+        torch.device("cpu"), 2,
     )
     # AdamW creates its moments at its first step: one step on zero gradients (an update of zero) creates them, so
     # that the measured step holds what every step after the first holds, without a second forward and backward.

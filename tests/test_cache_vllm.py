@@ -67,7 +67,8 @@ def test_vllm_capture_fills_the_shards_hf_does(tmp_path):
     a, b = CacheReader(hf), CacheReader(vllm)
     # the same layout: shards of the same conversations, the same tensors of the same shapes and dtypes
     def layout(folder: Path) -> list[tuple]:
-        return [(s["file"], s["index"], s["lengths"]) for s in json.loads((folder / "manifest.json").read_text())["shards"]]
+        shards = json.loads((folder / "manifest.json").read_text())["shards"]
+        return [(s["file"], s["index"], s["lengths"]) for s in shards]
 
     assert layout(hf) == layout(vllm) and len(a) == len(b) == 16
     assert a.manifest["aux_layer_ids"] == b.manifest["aux_layer_ids"] and b.manifest["storage_dtype"] == "bfloat16"

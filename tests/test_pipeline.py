@@ -77,7 +77,8 @@ def test_every_stage_of_a_preset_names_the_same_job(preset, monkeypatch):
     assert cfg["eval"].eval.chat_template_kwargs == cfg["tune"].chat_template_kwargs == thinking
     train = cfg["train"]
     epochs = 3 if preset == "llama3.1-8b-instruct" else 10  # 500k conversations: 3 epochs (speculators #751)
-    assert (train.train.lr, train.train.epochs, train.train.micro_batch_size, train.ttt.ttt_steps) == (1e-4, epochs, 1, 7)
+    assert (train.train.lr, train.train.epochs, train.train.micro_batch_size, train.ttt.ttt_steps) == (
+        1e-4, epochs, 1, 7)
     assert train.engine.kind == "deepspeed"
     assert train.engine.zero_stage == (3 if "70b" in preset else 2)
     assert train.train.dtype == "bf16"
