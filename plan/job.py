@@ -43,6 +43,7 @@ from fledge.plan.memory import (
     ttt_saved_bytes,
     verifier_flops,
 )
+from fledge.plan.regeneration import GpuRates, regeneration
 from fledge.train.checkpoint import CheckpointConfig
 from fledge.train.config import HeldOutConfig, TrainConfig
 from fledge.train.engine import EngineConfig
@@ -385,54 +386,6 @@ def what_would_fit(job: JobShape, cfg: PlanJobConfig, mode: str, usable: float) 
     return lines
 
 
-KV_SHARE = 0.5
-"""A regeneration replica spans the fewest GPUs (a power of two) whose memory leaves at least this share beside the
-weights for the KV cache."""
-
-
-def regeneration(shape: VerifierShape, cfg: PlanJobConfig, data: DataEstimate, dtype_bytes: int) -> dict[str, Any]:
-    """The hours to answer every conversation with the verifier through vLLM (``fledge regenerate
-    regenerate.engine=vllm``), by a roofline of its decoding step.
-
-    Each conversation's answers are the loss's share of its tokens (as long as the source's answers); the rest is
-    read (prefill, at ``mfu`` of the peak, over every GPU). A replica holds the weights on ``gpus`` GPUs and decodes
-    ``sequences`` at once; a decoding step reads the weights and the KV cache of every sequence (at
-    ``bandwidth_share`` of the bandwidth) and computes 2 x active parameters per sequence (at ``mfu`` of the peak),
-    and takes the longer of the two. A sequence's KV cache is counted at its mean length while it is answered, the
-    prompt and half the answer."""
-    usable = (cfg.gpu_memory_gib - cfg.reserve_gib) * GIB
-    s = shape.complete()
-    weight_bytes = dtype_bytes * shape.params()
-    tokens = data.conversations * data.tokens_per_conversation
-    answers = tokens * data.loss_fraction
-    gpus = 1
-    while weight_bytes > (1 - KV_SHARE) * gpus * usable and gpus < cfg.world:
-        gpus *= 2
-    gpus = min(gpus, cfg.world)
-    replicas = max(1, cfg.world // gpus)
-    kv_per_token = 2 * s.num_hidden_layers * s.num_key_value_heads * s.head_dim * dtype_bytes
-    context = data.tokens_per_conversation * (1 - data.loss_fraction / 2)
-    room = gpus * usable - weight_bytes
-    fit = int(room // (kv_per_token * context)) if room > 0 else 0
-    sequences = max(1, min(cfg.regenerate_batch, fit))
-    read_s = (weight_bytes + sequences * context * kv_per_token) / (gpus * cfg.memory_bandwidth_tbs * 1e12
-                                                                   * cfg.bandwidth_share)
-    compute_s = 2 * shape.active_params() * sequences / (gpus * cfg.peak_tflops * 1e12 * cfg.mfu)
-    step_s = max(read_s, compute_s)
-    decode_rate = replicas * sequences / step_s
-    prefill_s = 2 * shape.active_params() * (tokens - answers) / (cfg.world * cfg.peak_tflops * 1e12 * cfg.mfu)
-    seconds = prefill_s + answers / decode_rate
-    return {
-        "engine": "vllm", "answer_tokens": answers, "prompt_tokens": tokens - answers, "gpus_per_replica": gpus,
-        "replicas": replicas, "sequences": sequences, "sequences_that_fit": fit,
-        "kv_bytes_per_token": kv_per_token, "step_ms": 1e3 * step_s, "bound": "memory" if read_s >= compute_s else
-        "compute", "tokens_per_s": decode_rate, "tokens_per_s_per_gpu": decode_rate / (replicas * gpus),
-        "prefill_h": prefill_s / 3600, "hours": seconds / 3600,
-        "overrides": (f"regenerate.engine=vllm regenerate.vllm_tensor_parallel_size={gpus} "
-                      f"regenerate.vllm_data_parallel_size={replicas} regenerate.batch_size={sequences}"),
-    }
-
-
 def make_plan(cfg: PlanJobConfig) -> JobPlan:
     shape, shape_source = resolve_shape(cfg.verifier, cfg.shape)
     draft = draft_config(shape, cfg)
@@ -470,7 +423,10 @@ def make_plan(cfg: PlanJobConfig) -> JobPlan:
     replicas = max(1, world // cache_gpus)
     cache_seconds = data.conversations * mean_verifier / (replicas * cfg.peak_tflops * 1e12 * cfg.mfu)
     epochs = cfg.train.epochs if cfg.train.max_steps == 0 else None
-    regen = (regeneration(shape, cfg, data, job.verifier_bytes)
+    gpu = GpuRates(usable_bytes=usable, flops=cfg.peak_tflops * 1e12 * cfg.mfu,
+                   bandwidth=cfg.memory_bandwidth_tbs * 1e12 * cfg.bandwidth_share)
+    regen = (regeneration(shape, job.verifier_bytes, data.conversations, data.tokens_per_conversation,
+                          data.loss_fraction, gpu, cfg.world, cfg.regenerate_batch)
              if (data.stand_in if cfg.regenerate is None else cfg.regenerate) else None)
     total_offline = cache_seconds + (epochs or 0) * epoch_offline
     total_online = (epochs or 0) * epoch_online
