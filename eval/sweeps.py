@@ -57,6 +57,12 @@ def _training_figures(job_dir: Path) -> dict[str, Any]:
     return out
 
 
+def _draft_vocab(job_dir: Path) -> int | None:
+    """The trained draft's vocabulary (its ``draft/draft_config.json``), for runs whose plan did not choose it."""
+    path = job_dir / "draft" / "draft_config.json"
+    return json.loads(path.read_text()).get("draft_vocab_size") if path.is_file() else None
+
+
 def _eval_rows(report: EvalReport) -> dict[str, dict[str, Any]]:
     """``{row name: {set, tau, speedup, interval}}`` for every drafter row of the first prompt set."""
     rows: dict[str, dict[str, Any]] = {}
@@ -212,6 +218,7 @@ def budget_table(folders: list[str | Path]) -> list[dict[str, Any]]:
         base = {"run": run["folder"].name,
                 "budget": plan["budget_s"] / 60 if plan.get("budget_s") else None,
                 "conversations": plan.get("sizes", {}).get("cache"), "epochs": plan.get("sizes", {}).get("train"),
+                "vocab": plan.get("shapes", {}).get("draft_vocab_size") or _draft_vocab(run["draft"]),
                 "wall_minutes": sum(plan["actual_s"].values()) / 60 if plan.get("actual_s") else None,
                 **_training_figures(run["draft"])}
         sets = [(s, f, r) for (d, s), (f, r) in chosen.items() if d == run["draft"].resolve()]  # as reported
@@ -236,13 +243,15 @@ def _ratio(value: Any, interval: Any) -> str:
 
 
 def budget_markdown(rows: list[dict[str, Any]]) -> str:
-    head = ("| run | budget min | conversations planned | epochs | steps | tokens trained | train min | wall min "
+    head = ("| run | budget min | conversations planned | epochs | draft vocab | steps | tokens trained | train min "
+            "| wall min "
             "| held-out acc_0 | set | prompts | drafter | τ | speed-up [95%] | vs prompt lookup [95%] |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for r in rows:
         lines.append(
             f"| {r['run']} | {_fmt(r.get('budget'), '.0f')} | {_fmt(r.get('conversations'), 'd')} | "
-            f"{_fmt(r.get('epochs'), '.2f')} | {_fmt(r.get('steps'), 'd')} | {_fmt(r.get('tokens'), ',d')} | "
+            f"{_fmt(r.get('epochs'), '.2f')} | {_fmt(r.get('vocab'), ',d')} | {_fmt(r.get('steps'), 'd')} | "
+            f"{_fmt(r.get('tokens'), ',d')} | "
             f"{_fmt(r.get('minutes'), '.1f')} | {_fmt(r.get('wall_minutes'), '.1f')} | {_fmt(r.get('acc_0'), '.3f')} | "
             f"{r.get('set', '-')} | {_fmt(r.get('prompts'), 'd')} | {r.get('drafter', '-')} | "
             f"{_fmt(r.get('tau'), '.2f')} | {_ratio(r.get('speedup'), r.get('interval'))} | "

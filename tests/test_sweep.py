@@ -83,6 +83,7 @@ def _quickstart_run(folder, budget_minutes, steps, tau, prompts):
                      train_dtype="bf16", probe_seconds=50.0)
     plan = BudgetPlan(budget_minutes * 60, rates, [100, 200], eval_rows=10, eval_new_tokens=96,
                 sizes={"cache": 2, "train": 2.0, "eval": prompts},
+                shapes={"draft_vocab_size": 1024 * budget_minutes} if budget_minutes > 20 else {},
                 actual_s={"probe": 50.0, "cache": 100.0, "train": 60.0 * steps, "eval": 90.0, "export": 1.0})
     folder.mkdir(parents=True)
     plan.save_in(folder)
@@ -91,6 +92,8 @@ def _quickstart_run(folder, budget_minutes, steps, tau, prompts):
     lines += [{"step": s, "time": 1000.0 + 60.0 * s, "loss": 3.0, "tokens_seen": 1000 * s} for s in range(1, steps + 1)]
     lines += [{"step": steps, "time": 1000.0 + 60.0 * steps, "eval/acc_0": 0.1 * steps}]
     (folder / "train" / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (folder / "train" / "draft").mkdir()
+    (folder / "train" / "draft" / "draft_config.json").write_text(json.dumps({"draft_vocab_size": 4096}))
     _report(folder / "eval", folder / "train", tau, prompts)
 
 
@@ -117,12 +120,14 @@ def test_the_budget_table_joins_runs_with_their_largest_evaluation(tmp_path, cap
     assert eagle["qs60"]["steps"] == 6 and eagle["qs60"]["minutes"] == 6.0 and eagle["qs60"]["acc_0"] == pytest.approx(0.6)
     assert eagle["qs60"]["wall_minutes"] == (50 + 100 + 360 + 90 + 1) / 60
     assert eagle["qs60"]["vs_lookup"] == 0.9 and eagle["qs60"]["vs_lookup_interval"] == [0.8, 1.0]
+    assert eagle["qs60"]["vocab"] == 60 * 1024  # the plan's choice
+    assert eagle["qs20"]["vocab"] == 4096  # a plan that chose none (before fledge chose it): the draft's own
 
     out = tmp_path / "budget"
     assert budget_main([str(tmp_path / "qs20"), str(tmp_path / "qs60"), str(tmp_path / "qs60_e24"),
                         "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "| qs60 | 60 | 2 | 2.00 | 6 | 6,000 | 6.0 |" in printed and "0.90x [0.80, 1.00]" in printed
+    assert "| qs60 | 60 | 2 | 2.00 | 61,440 | 6 | 6,000 | 6.0 |" in printed and "0.90x [0.80, 1.00]" in printed
     assert (out / "budget.md").read_text().count("\n") == len(rows) + 2
     assert (out / "budget.png").stat().st_size > 0
     assert budget_main(["--out"]) == 2
