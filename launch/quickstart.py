@@ -21,12 +21,15 @@ from fledge.eval.breakdown import breakdown_lines
 from fledge.eval.report import REPORT_FILE, EvalReport
 from fledge.eval.summary import report_table
 from fledge.plan.budget import (
+    FIXED_SHAPES,
     FIXED_SIZES,
+    SHAPE_KEYS,
     SIZE_KEYS,
     BudgetPlan,
     check_budget,
     eval_time_limit,
     fit_budget,
+    fit_shapes,
     plan_lines,
     plan_vs_actual,
     probe_box,
@@ -77,11 +80,16 @@ def _stamp(overrides: list[str]) -> str:
     return hashlib.sha256(json.dumps(overrides).encode()).hexdigest()[:16]
 
 
-def _given_size(cfg: QuickstartConfig, stage: str) -> float | None:
-    """A size the user set as a stage override (the last one wins), else None."""
-    key = SIZE_KEYS[stage]
+def _given(cfg: QuickstartConfig, stage: str, key: str) -> float | None:
+    """A value the user set for ``key`` as a stage override (the last one wins), else None."""
     values = [o.split("=", 1)[1] for o in getattr(cfg, stage) if o.split("=", 1)[0] == key]
     return float(values[-1]) if values and values[-1] not in ("null", "None") else None
+
+
+def _given_vocab(cfg: QuickstartConfig) -> int | None:
+    """The draft vocabulary the user fixed (the cache's, or the training's own choice from the cache's counts)."""
+    value = _given(cfg, "train", "train.draft_vocab_size") or _given(cfg, *SHAPE_KEYS["draft_vocab_size"])
+    return int(value) if value else None  # train.draft_vocab_size=0 is the cache's
 
 
 def budget_plan(cfg: QuickstartConfig) -> BudgetPlan:
@@ -98,13 +106,20 @@ def budget_plan(cfg: QuickstartConfig) -> BudgetPlan:
             plan.started = time.time() - sum(plan.actual_s.values())  # the clock of this invocation
             plan.save_in(Path(cfg.run_dir))  # under its current name (a folder of an older fledge has plan.json)
             return plan
-    fixed = {s: v for s in SIZE_KEYS if (v := _given_size(cfg, s)) is not None}
-    cache_job, train_job = compose_config("cache", cfg.cache), compose_config("train", cfg.train)
-    eval_job = compose_config("eval", cfg.eval)
-    rates, lengths = probe_box(cache_job, train_job, eval_job, None if "cache" not in fixed else int(fixed["cache"]))
+    fixed = {s: v for s in SIZE_KEYS if (v := _given(cfg, s, SIZE_KEYS[s])) is not None}
+    given_vocab = _given_vocab(cfg)
+    vocab = given_vocab or FIXED_SHAPES["draft_vocab_size"]  # the probe's, and where the choice starts
+    cache_job = compose_config("cache", [*cfg.cache, f"{SHAPE_KEYS['draft_vocab_size'][1]}={vocab}"])
+    train_job, eval_job = compose_config("train", cfg.train), compose_config("eval", cfg.eval)
+    probe = probe_box(cache_job, train_job, eval_job, None if "cache" not in fixed else int(fixed["cache"]))
+    rates = probe.rates
     drafters = 1 + int(eval_job.hybrid) + int(eval_job.prompt_lookup)  # eagle3, eagle3+lookup, prompt lookup
     rows = (1 + int(eval_job.eval.hf_baseline) + drafters) * len(eval_job.prompts)  # decodings per prompt index
-    plan = fit_budget(cfg.budget_minutes, rates, lengths, rows, eval_job.eval.max_new_tokens, fixed)
+
+    def fit(box: Any) -> BudgetPlan:
+        return fit_budget(cfg.budget_minutes, box, probe.lengths, rows, eval_job.eval.max_new_tokens, fixed)
+
+    plan = fit_shapes(fit(rates), fit, probe.counts_for, probe.rate_at, vocab, fixed=given_vocab is not None)
     plan.started = time.time() - rates.probe_seconds
     plan.key = key
     plan.actual_s["probe"] = rates.probe_seconds
@@ -112,12 +127,13 @@ def budget_plan(cfg: QuickstartConfig) -> BudgetPlan:
     return plan
 
 
-def _sized(stage: str, overrides: list[str], size: float | None) -> list[str]:
-    """The stage's overrides with its planned (or fixed) size in front, where the user set none."""
-    key = SIZE_KEYS.get(stage)
-    if key is None or size is None or any(o.split("=", 1)[0] == key for o in overrides):
-        return overrides
-    return [f"{key}={int(size) if stage != 'train' else size}", *overrides]
+def _sized(stage: str, overrides: list[str], size: float | None, shapes: dict[str, int]) -> list[str]:
+    """The stage's overrides with its planned (or fixed) size and shapes in front, where the user set none."""
+    planned = {key: shapes[shape] for shape, (where, key) in SHAPE_KEYS.items() if where == stage}
+    if stage in SIZE_KEYS and size is not None:
+        planned[SIZE_KEYS[stage]] = int(size) if stage != "train" else size
+    given = {o.split("=", 1)[0] for o in overrides}
+    return [f"{key}={value}" for key, value in planned.items() if key not in given] + overrides
 
 
 def run_pipeline(cfg: QuickstartConfig) -> dict[str, Any]:
@@ -149,7 +165,7 @@ def run_pipeline(cfg: QuickstartConfig) -> dict[str, Any]:
             if stage == "eval" and "train" in ran:
                 revise_prompts(plan, timings["train"]["seconds"])
             size = plan.sizes[stage]
-        overrides = _sized(stage, overrides, size)
+        overrides = _sized(stage, overrides, size, plan.shapes if plan is not None else FIXED_SHAPES)
         stamp = _stamp(overrides)  # what the stage's outputs depend on: a rerun with the same skips it
         if (plan is not None and stage == "eval" and not plan.fixed.get("eval")
                 and not any(o.startswith("eval.time_limit_minutes=") for o in overrides)):

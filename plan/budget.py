@@ -5,6 +5,11 @@ forward in tokens/s, the draft's training step in token-passes/s at the quicksta
 tokens/s), then chooses how many conversations to cache, how many epochs to train and how many prompts to evaluate
 so that the whole pipeline ends within the budget. A fast box gets more data and steps, not an earlier finish.
 
+The draft's shape follows the plan too: its vocabulary holds the tokens the planned training shows often enough to
+learn (``VOCAB_MIN_PASSES``: a token's count in the planned conversations' answers times the epochs), so a larger
+budget, which trains on more conversations, gets a larger vocabulary; the training rate is measured again at that
+vocabulary and the sizes refitted (``fit_shapes``).
+
 The plan is revised as the run goes: after the cache, the epochs are recomputed from the time left and the
 cache's actual speed (a box slower than its probe is slower for training too), and training carries a time limit
 as a safety net; after training, the number of eval prompts is recomputed the same way. ``budget.json`` in the run
@@ -21,9 +26,11 @@ import json
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
+
+import torch
 
 from fledge.core.errors import ConfigError
 from fledge.core.files import atomic_write_text, renamed_file, retire_old_name
@@ -35,6 +42,23 @@ SIZE_KEYS = {"cache": "data.max_conversations", "train": "train.epochs", "eval":
 """The size each stage gets from the plan (a stage override of the same key fixes it)."""
 FIXED_SIZES = {"cache": 160, "train": 2.0, "eval": 8}
 """The sizes without a budget (``budget_minutes=null``): ~20 minutes on a 2-core AVX2 box."""
+SHAPE_KEYS = {"draft_vocab_size": ("cache", "cache.draft_vocab_size")}
+"""The draft's shapes the plan chooses: {shape: (stage, key)}; the user's own value of the key (or of
+``train.draft_vocab_size``) fixes it."""
+FIXED_SHAPES = {"draft_vocab_size": 4096}
+"""The shapes without a budget, and where the plan starts: the draft's output layer is most of a training step, and
+at the 20-minute quickstart's training 4,096 tokens covered what the draft could learn (8,192 did not raise tau:
+docs/experiments/2026-12-04-draft-levers.md)."""
+VOCAB_MIN_PASSES = 80
+"""A token earns a place in the draft vocabulary when the planned training shows it at least this often (count in the
+planned conversations' loss positions x epochs). At twice the 20-minute quickstart's training, the tokens 8,192
+added to 4,096 were each seen 31-73 times, and 8,192 did not beat 4,096
+(docs/experiments/2026-12-05-vocab-by-budget.md): so a token must be seen more often than that, every budget
+measured here keeps 4,096, and the vocabulary grows only where training shows its tokens more often than any run
+here did (an assumption, not yet a measurement)."""
+VOCAB_GRAIN, VOCAB_FLOOR, VOCAB_CEIL = 1024, 4096, 32768
+"""The vocabulary is a multiple of ``VOCAB_GRAIN`` between these bounds (and at most the verifier's). The floor is the
+vocabulary measured at the smallest budgets: the rule grows it, never shrinks it below what was measured."""
 
 MIN_BUDGET_MINUTES = 3.0
 """Below this, loading the verifier, probing and one evaluation prompt alone take the budget: refused at once."""
@@ -57,8 +81,8 @@ EVAL_SHARE = 0.15
 # measuring v(k)), in seconds; calibrated on the 2-core AVX2 box from plan-vs-actual
 # (docs/experiments/2026-12-01-budget-and-levers.md).
 STAGE_FIXED_S = {"cache": 20.0, "train": 25.0, "eval": 45.0, "export": 5.0}
-BUDGET_FORMAT = 1
-"""The layout of the run folder's ``budget.json`` (``BudgetPlan``)."""
+BUDGET_FORMAT = 2
+"""The layout of the run folder's ``budget.json`` (``BudgetPlan``); 2 added ``shapes``."""
 
 
 @dataclass
@@ -88,7 +112,11 @@ class BudgetPlan:
     predicted_s: dict[str, float] = field(default_factory=dict)
     actual_s: dict[str, float] = field(default_factory=dict)
     fixed: dict[str, bool] = field(default_factory=dict)
-    """Sizes the user gave as overrides (kept as they are)."""
+    """Sizes (and shapes) the user gave as overrides (kept as they are)."""
+    shapes: dict[str, int] = field(default_factory=dict)
+    """The draft's shapes for the run (``SHAPE_KEYS``), e.g. {"draft_vocab_size": 4096}."""
+    shape_notes: list[str] = field(default_factory=list)
+    """How the shapes were chosen (``fit_shapes``)."""
     revisions: list[str] = field(default_factory=list)
     started: float = field(default_factory=time.time)
     key: str = ""
@@ -206,6 +234,43 @@ def _fit_conversations(plan: BudgetPlan, seconds: float, epochs: float) -> int:
     return n
 
 
+def draft_vocab_for(counts: torch.Tensor, epochs: float, min_passes: float | None = None) -> int:
+    """The draft vocabulary that planned training can learn: the tokens whose ``counts`` (loss positions in the
+    planned conversations) times ``epochs`` reach ``min_passes``, rounded to ``VOCAB_GRAIN`` and kept within
+    ``VOCAB_FLOOR``..``VOCAB_CEIL`` and the verifier's vocabulary (``min_passes``: ``VOCAB_MIN_PASSES``)."""
+    min_passes = VOCAB_MIN_PASSES if min_passes is None else min_passes
+    if epochs <= 0 or min_passes <= 0:
+        raise ValueError(f"epochs ({epochs}) and min_passes ({min_passes}) must be > 0")
+    learnable = int((counts.to(torch.float64) * epochs >= min_passes).sum())
+    size = VOCAB_GRAIN * round(learnable / VOCAB_GRAIN)
+    return min(max(size, VOCAB_FLOOR), VOCAB_CEIL, counts.numel())
+
+
+def fit_shapes(
+    plan: BudgetPlan, refit: Callable[[BoxRates], BudgetPlan], counts_for: Callable[[int], torch.Tensor],
+    rate_at: Callable[[int], float], vocab: int, fixed: bool = False,
+) -> BudgetPlan:
+    """The draft vocabulary for ``plan`` (made at ``vocab``): ``draft_vocab_for`` the conversations and epochs it
+    plans; where that differs, the training rate measured at it (``rate_at``) and the sizes refitted (``refit``),
+    twice at most (a slower step plans fewer token-passes, which may want a smaller vocabulary again). ``fixed``: the
+    user's vocabulary, kept. The result's ``shapes`` hold the choice, ``shape_notes`` the steps taken."""
+    notes = []
+    if not fixed:
+        for _ in range(2):
+            want = draft_vocab_for(counts_for(int(plan.sizes["cache"])), plan.sizes["train"])
+            if want == vocab:
+                break
+            rates = replace(plan.rates, train_tokens_per_s=rate_at(want))
+            note = (f"draft vocabulary {vocab} -> {want} (tokens seen >= {VOCAB_MIN_PASSES} times in "
+                    f"{plan.sizes['train']} epochs over {int(plan.sizes['cache'])} conversations; training "
+                    f"{plan.rates.train_tokens_per_s:.0f} -> {rates.train_tokens_per_s:.0f} tokens/s)")
+            plan, vocab = refit(rates), want
+            notes.append(note)
+    plan.shapes, plan.shape_notes = {"draft_vocab_size": int(vocab)}, notes
+    plan.fixed = {**plan.fixed, **({"draft_vocab_size": True} if fixed else {})}
+    return plan
+
+
 def revise_epochs(plan: BudgetPlan, cached_tokens: int, cache_seconds: float) -> tuple[float, float]:
     """After the cache: epochs that fill the time left, with the training rate scaled by how the cache's real speed
     compared with its prediction; and the training's time limit in minutes (a safety net 10 % above its share)."""
@@ -257,9 +322,12 @@ def plan_lines(plan: BudgetPlan) -> list[str]:
         f"{'  (fixed)' if plan.fixed.get('cache') else ''}",
         f"  train   {plan.sizes['train']} epochs, {plan.sizes['train'] * tokens:,.0f} token-passes"
         f"{'  (fixed)' if plan.fixed.get('train') else ''}",
+        *([f"  draft   vocabulary {plan.shapes['draft_vocab_size']:,}"
+           f"{'  (fixed)' if plan.fixed.get('draft_vocab_size') else ''}"] if plan.shapes else []),
         f"  eval    {int(plan.sizes['eval'])} prompts x {plan.eval_new_tokens} tokens x {plan.eval_rows} decodings"
         f"{'  (fixed)' if plan.fixed.get('eval') else ''}",
         f"  predicted {sum(plan.predicted_s.values()) / 60:.1f} minutes",
+        *[f"  chose {note}" for note in plan.shape_notes],
     ]
     return lines
 
@@ -276,12 +344,30 @@ def plan_vs_actual(plan: BudgetPlan) -> list[str]:
     return lines
 
 
-def probe_box(
-    cache_job: Any, train_job: Any, eval_job: Any, conversations: int | None = None
-) -> tuple[BoxRates, list[int]]:
+@dataclass
+class Probe:
+    """What ``probe_box`` measured, and what the planner needs to choose the draft's shapes."""
+
+    rates: BoxRates
+    lengths: list[int]
+    """Token counts of the source's usable conversations, in the cache's order."""
+    loss_ids: list[torch.Tensor]
+    """Each of those conversations' tokens at loss positions (what the draft learns to predict)."""
+    rate_at: Callable[[int], float]
+    """The training rate (token-passes/s) at another draft vocabulary, measured like the probe's."""
+    vocab_size: int
+    """The verifier's vocabulary."""
+
+    def counts_for(self, conversations: int) -> torch.Tensor:
+        """int64 [verifier vocabulary]: each token's loss positions in the first ``conversations``."""
+        ids = torch.cat([torch.zeros(0, dtype=torch.int64), *self.loss_ids[:conversations]])
+        return torch.bincount(ids, minlength=self.vocab_size)
+
+
+def probe_box(cache_job: Any, train_job: Any, eval_job: Any, conversations: int | None = None) -> Probe:
     """Measure the three rates on this box with the stages' own code and shapes (~45 s on a 2-core CPU), and the
-    token count of each usable conversation of the source, in the cache's order: the first ``conversations`` (a
-    size the user fixed) or up to ``PROBE_CONVERSATIONS``."""
+    token count and loss tokens of each usable conversation of the source, in the cache's order: the first
+    ``conversations`` (a size the user fixed) or up to ``PROBE_CONVERSATIONS``."""
     import dataclasses
 
     from fledge.core.dist import DistInfo, pick_device
@@ -300,6 +386,8 @@ def probe_box(
     job = dataclasses.replace(cache_job, data=dataclasses.replace(cache_job.data, max_conversations=limit))
     prep = prepare(job, DistInfo(), device)
     lengths = [len(s.input_ids) for s in prep.samples]
+    loss_ids = [torch.tensor(s.input_ids, dtype=torch.int64)[torch.tensor(s.loss_mask, dtype=torch.bool)]
+                for s in prep.samples]
 
     # The cache: the verifier's forward over real batches of the cache's own plan, spread over its lengths.
     batches = [b for shard in prep.plan.shards for b in shard]
@@ -327,7 +415,12 @@ def probe_box(
         ttt_steps=train_job.ttt.ttt_steps, steps=1, warmup=1, dtypes=[dtype], batch_size=2,
         compile=train_job.train.compile, attention=train_job.ttt.attention, loss_chunk=train_job.ttt.loss_chunk,
     )
-    train_rate = bench_dtype(bench, dtype)["tokens_per_s"]
+
+    def rate_at(vocab: int) -> float:
+        return bench_dtype(dataclasses.replace(bench, draft_vocab_size=vocab), dtype)["tokens_per_s"]
+
+    train_rate = rate_at(draft_vocab)
+    vocab_size = int(hf.vocab_size)
     del prep
 
     # Decoding: plain greedy with a KV cache, in the kernel the evaluation decodes with.
@@ -344,4 +437,4 @@ def probe_box(
     del verifier
     rates = BoxRates(cache_rate, train_rate, decode_rate, dtype, time.perf_counter() - start)
     log.info("budget probe: %s", rates)
-    return rates, lengths
+    return Probe(rates, lengths, loss_ids, rate_at, vocab_size)

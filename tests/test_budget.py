@@ -9,14 +9,21 @@ import pytest
 
 from fledge.core.errors import ConfigError
 from fledge.launch.quickstart import QuickstartConfig, run_pipeline
+import torch
+
+from fledge.plan import budget
 from fledge.plan.budget import (
     MAX_EPOCHS,
     MIN_BUDGET_MINUTES,
     PLAN_FRACTION,
+    VOCAB_CEIL,
+    VOCAB_FLOOR,
     BoxRates,
     BudgetPlan,
     check_budget,
+    draft_vocab_for,
     fit_budget,
+    fit_shapes,
     plan_lines,
     plan_vs_actual,
     revise_epochs,
@@ -83,17 +90,79 @@ def test_a_plan_round_trips_through_json(tmp_path):
     again = BudgetPlan.load(tmp_path / "budget.json")
     assert again.sizes == plan.sizes and again.rates == plan.rates
     record = json.loads((tmp_path / "budget.json").read_text())
-    assert record["format"] == 1
-    # a plan written before formats were numbered reads alike; a later format or an unknown field is refused
-    (tmp_path / "old.json").write_text(json.dumps({k: v for k, v in record.items() if k != "format"}))
+    assert record["format"] == 2
+    # a plan written before formats were numbered, or before the plan chose shapes (format 1), reads alike; a later
+    # format or an unknown field is refused
+    older = {k: v for k, v in record.items() if k not in ("format", "shapes", "shape_notes")}
+    (tmp_path / "old.json").write_text(json.dumps(older))
     assert BudgetPlan.load(tmp_path / "old.json") == again
-    for bad, words in (({**record, "format": 2}, "format 2"), ({**record, "eval_share": 0.2}, "eval_share")):
+    (tmp_path / "one.json").write_text(json.dumps({**older, "format": 1}))
+    assert BudgetPlan.load(tmp_path / "one.json") == again
+    for bad, words in (({**record, "format": 3}, "format 3"), ({**record, "eval_share": 0.2}, "eval_share")):
         (tmp_path / "bad.json").write_text(json.dumps(bad))
         with pytest.raises(ConfigError, match=words):
             BudgetPlan.load(tmp_path / "bad.json")
 
 
-def test_the_quickstart_under_a_budget_on_a_tiny_verifier(tmp_path, tiny_verifier_dir):
+def zipf_counts(conversations: int, vocab: int = 49152) -> torch.Tensor:
+    """Loss-token counts of ``conversations`` conversations, Zipf-distributed like the quickstart's ShareGPT answers
+    (432 loss tokens a conversation; the 4,096th token 14 times in 1,217 conversations and 31 in 2,709)."""
+    weights = 1.0 / torch.arange(1, vocab + 1, dtype=torch.float64) ** 0.9
+    return (weights / weights.sum() * 432 * conversations).floor().to(torch.int64)
+
+
+def test_the_draft_vocabulary_holds_the_tokens_the_planned_training_shows_often_enough():
+    counts = torch.zeros(49152, dtype=torch.int64)
+    counts[:6000] = 20
+    counts[6000:9000] = 5
+    assert draft_vocab_for(counts, epochs=2.0, min_passes=40) == 6144  # 6,000 tokens seen 40 times, rounded
+    assert draft_vocab_for(counts, epochs=8.0, min_passes=40) == 9216  # and 3,000 more at 8 epochs (40 passes)
+    assert draft_vocab_for(counts, epochs=1.0, min_passes=40) == VOCAB_FLOOR  # 20 passes learn nothing: the floor
+    assert draft_vocab_for((counts + 1) * 1000, epochs=1.0, min_passes=40) == VOCAB_CEIL
+    assert draft_vocab_for(torch.full((512,), 1000), epochs=1.0) == 512  # never more than the verifier has
+    assert draft_vocab_for(counts, epochs=1.0, min_passes=5) == 9216
+    # the default threshold keeps 4,096 wherever it was measured: the 20-minute quickstart's training (1,217
+    # conversations, the 4,096th token 14 times, 2 planned epochs) and twice it (2,709, 31 times, 2.36 epochs)
+    quickstart, twice = zipf_counts(1217), zipf_counts(2709)
+    assert int(quickstart.sort(descending=True).values[4095]) in range(12, 17)
+    assert draft_vocab_for(quickstart, epochs=2.0) == draft_vocab_for(twice, epochs=2.36) == 4096
+    with pytest.raises(ValueError, match="must be > 0"):
+        draft_vocab_for(counts, epochs=0.0)
+
+
+def test_a_larger_budget_gets_a_larger_vocabulary_at_its_own_training_rate(monkeypatch):
+    monkeypatch.setattr(budget, "VOCAB_MIN_PASSES", 32)  # a lower threshold, to see it grow within 120 minutes here
+    measured = []
+
+    def rate_at(vocab: int) -> float:  # the output layer's share of a step grows with the vocabulary
+        measured.append(vocab)
+        return 3 * 320 * 4096 / (4096 + 0.5 * (vocab - 4096))
+
+    def shaped(minutes: float, fixed: bool = False):
+        def fit(box):
+            return fit_budget(minutes, box, LENGTHS, eval_rows=5, eval_new_tokens=96, fixed={})
+        return fit_shapes(fit(rates(3)), fit, zipf_counts, rate_at, 4096, fixed=fixed)
+
+    small, large = shaped(20), shaped(120)
+    assert large.sizes["cache"] * large.sizes["train"] > 3 * small.sizes["cache"] * small.sizes["train"]
+    assert large.shapes["draft_vocab_size"] > small.shapes["draft_vocab_size"] == VOCAB_FLOOR
+    # each vocabulary the plan moved to was measured, and the plan was refitted at that rate
+    assert large.shapes["draft_vocab_size"] in measured
+    assert large.rates.train_tokens_per_s == pytest.approx(rate_at(large.shapes["draft_vocab_size"]))
+    assert large.shape_notes and "draft vocabulary 4096 ->" in large.shape_notes[0]
+    assert sum(large.predicted_s.values()) <= 120 * 60 * PLAN_FRACTION + 1
+    assert any("draft   vocabulary" in line for line in plan_lines(large))
+    # a vocabulary the user gave is kept, and nothing is measured for it
+    measured.clear()
+    kept = shaped(120, fixed=True)
+    assert kept.shapes == {"draft_vocab_size": 4096} and kept.fixed["draft_vocab_size"] and not measured
+
+
+def test_the_quickstart_under_a_budget_on_a_tiny_verifier(tmp_path, tiny_verifier_dir, monkeypatch):
+    # The vocabulary rule at the tiny run's scale: every token seen once is learnable, in steps of 64 from 64.
+    monkeypatch.setattr(budget, "VOCAB_MIN_PASSES", 1)
+    monkeypatch.setattr(budget, "VOCAB_GRAIN", 64)
+    monkeypatch.setattr(budget, "VOCAB_FLOOR", 64)
     source = write_sharegpt_jsonl(tmp_path / "convs.jsonl", 40, max_words=30)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"turns": [f"the a of {i} to and"]}) + "\n" for i in range(3)))
@@ -101,8 +170,7 @@ def test_the_quickstart_under_a_budget_on_a_tiny_verifier(tmp_path, tiny_verifie
     verifier = [f"verifier.name_or_path={tiny_verifier_dir}", "verifier.dtype=float32"]
     cfg = QuickstartConfig(
         run_dir=str(run), stages=["cache", "train", "eval"], budget_minutes=3,
-        cache=[f"cache.dir={run}/cache", *verifier, f"data.source={source}", "data.max_length=128",
-               "cache.draft_vocab_size=128"],
+        cache=[f"cache.dir={run}/cache", *verifier, f"data.source={source}", "data.max_length=128"],
         train=[f"cache_dir={run}/cache", f"output_dir={run}/train", "validation.holdout=2", "validation.every=0",
                "ttt.ttt_steps=2", "log.wandb_mode=disabled", "log.progress=false"],
         eval=[f"draft={run}/train", *verifier, f"prompts=[{prompts}]", "eval.max_new_tokens=6",
@@ -118,6 +186,12 @@ def test_the_quickstart_under_a_budget_on_a_tiny_verifier(tmp_path, tiny_verifie
     assert manifest["num_conversations"] == 40
     saved = json.loads((run / "budget.json").read_text())
     assert saved["sizes"] == plan.sizes and saved["key"]
+    # the plan chose the vocabulary from the probe's loss tokens (not the 4,096 it started at), measured the
+    # training step at it, and the cache was built with it
+    vocab = saved["shapes"]["draft_vocab_size"]
+    assert 64 <= vocab < 4096 and vocab % 64 == 0 and "draft_vocab_size" not in saved["fixed"]
+    assert saved["shape_notes"] and f"draft vocabulary 4096 -> {vocab}" in saved["shape_notes"][0]
+    assert manifest["draft_vocab_size"] == vocab
     # the evaluation carries what the budget has left as its time limit
     limit = json.loads((run / "eval" / "report.json").read_text())["config"]["time_limit_minutes"]
     assert 0.5 <= limit <= 3
