@@ -289,14 +289,21 @@ def revise_epochs(plan: BudgetPlan, cached_tokens: int, cache_seconds: float) ->
 
 
 def revise_prompts(plan: BudgetPlan, train_seconds: float) -> int:
-    """After training: the eval prompts that fit in the time left (at least ``MIN_PROMPTS``)."""
+    """After training: the eval prompts that fit in the time left (at least ``MIN_PROMPTS``). Training that ended
+    early (its epochs done before its share of the budget) leaves time: more prompts then, up to ``MAX_PROMPTS``,
+    counted at no faster rate than the probe's (the evaluation's time limit still holds the budget)."""
     slowdown = min(2.0, max(0.5, train_seconds / plan.predicted_s["train"]))
     rate = plan.rates.decode_tokens_per_s / slowdown
     if plan.fixed.get("eval"):
         return int(plan.sizes["eval"])
-    left = plan.budget_s * PLAN_FRACTION - plan.elapsed() - STAGE_FIXED_S["export"]
-    per_prompt = plan.eval_s(1, rate) - STAGE_FIXED_S["eval"]
-    prompts = int(min(plan.sizes["eval"], max(MIN_PROMPTS, (left - STAGE_FIXED_S["eval"]) / per_prompt)))
+    left = plan.budget_s * PLAN_FRACTION - plan.elapsed() - STAGE_FIXED_S["export"] - STAGE_FIXED_S["eval"]
+    fit = left / (plan.eval_s(1, rate) - STAGE_FIXED_S["eval"])
+    if fit > plan.sizes["eval"]:
+        rate = min(rate, plan.rates.decode_tokens_per_s)
+        fit = left / (plan.eval_s(1, rate) - STAGE_FIXED_S["eval"])
+        prompts = int(min(MAX_PROMPTS, max(plan.sizes["eval"], fit)))
+    else:
+        prompts = int(max(MIN_PROMPTS, fit))
     if prompts != plan.sizes["eval"]:
         plan.revisions.append(f"after train ({train_seconds:.0f} s, {slowdown:.2f}x its prediction): "
                               f"eval.max_prompts {plan.sizes['eval']} -> {prompts}")

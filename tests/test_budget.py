@@ -14,6 +14,7 @@ import torch
 from fledge.plan import budget
 from fledge.plan.budget import (
     MAX_EPOCHS,
+    MAX_PROMPTS,
     MIN_BUDGET_MINUTES,
     PLAN_FRACTION,
     VOCAB_CEIL,
@@ -82,6 +83,21 @@ def test_revisions_follow_the_boxs_real_speed():
     assert 4 <= prompts < 8 and len(plan.revisions) == 2
     plan.actual_s = {"probe": 40, "cache": 300}
     assert "revised after cache" in "\n".join(plan_vs_actual(plan))
+
+
+def test_time_that_training_leaves_goes_to_the_evaluation():
+    plan = fit_budget(20, rates(1), LENGTHS, eval_rows=5, eval_new_tokens=96, fixed={})
+    planned = plan.sizes["eval"]
+    done = plan.rates.probe_seconds + plan.predicted_s["cache"] + 0.4 * plan.predicted_s["train"]
+    plan.started -= done  # training took 0.4x its prediction (its epochs ended early)
+    prompts = revise_prompts(plan, 0.4 * plan.predicted_s["train"])
+    assert planned < prompts <= MAX_PROMPTS and "eval.max_prompts" in plan.revisions[-1]
+    # counted at the probe's decoding rate, not 2.5x faster because training was: the budget still holds
+    assert done + plan.predicted_s["eval"] + plan.predicted_s["export"] <= 20 * 60 * PLAN_FRACTION + 1
+    assert plan.predicted_s["eval"] == pytest.approx(plan.eval_s(prompts))
+    fixed = fit_budget(20, rates(1), LENGTHS, eval_rows=5, eval_new_tokens=96, fixed={"eval": 8})
+    fixed.started -= done
+    assert revise_prompts(fixed, 0.4 * fixed.predicted_s["train"]) == 8  # a size the user gave stays
 
 
 def test_a_plan_round_trips_through_json(tmp_path):
