@@ -112,17 +112,16 @@ def budget_plan(cfg: QuickstartConfig) -> BudgetPlan:
     cache_job = compose_config("cache", [*cfg.cache, f"{SHAPE_KEYS['draft_vocab_size'][1]}={vocab}"])
     train_job, eval_job = compose_config("train", cfg.train), compose_config("eval", cfg.eval)
     probe = probe_box(cache_job, train_job, eval_job, None if "cache" not in fixed else int(fixed["cache"]))
-    rates = probe.rates
     drafters = 1 + int(eval_job.hybrid) + int(eval_job.prompt_lookup)  # eagle3, eagle3+lookup, prompt lookup
     rows = (1 + int(eval_job.eval.hf_baseline) + drafters) * len(eval_job.prompts)  # decodings per prompt index
 
     def fit(box: Any) -> BudgetPlan:
         return fit_budget(cfg.budget_minutes, box, probe.lengths, rows, eval_job.eval.max_new_tokens, fixed)
 
-    plan = fit_shapes(fit(rates), fit, probe.counts_for, probe.rate_at, vocab, fixed=given_vocab is not None)
-    plan.started = time.time() - rates.probe_seconds
+    plan = fit_shapes(fit(probe.rates), fit, probe.counts_for, probe.rate_at, vocab, fixed=given_vocab is not None)
+    plan.started = time.time() - plan.rates.probe_seconds  # with any measurement the vocabulary's choice added
     plan.key = key
-    plan.actual_s["probe"] = rates.probe_seconds
+    plan.actual_s["probe"] = plan.rates.probe_seconds
     plan.save_in(Path(cfg.run_dir))
     return plan
 

@@ -260,7 +260,10 @@ def fit_shapes(
             want = draft_vocab_for(counts_for(int(plan.sizes["cache"])), plan.sizes["train"])
             if want == vocab:
                 break
-            rates = replace(plan.rates, train_tokens_per_s=rate_at(want))
+            begun = time.perf_counter()
+            rate = rate_at(want)  # the measurement's seconds count as the probe's
+            rates = replace(plan.rates, train_tokens_per_s=rate,
+                            probe_seconds=plan.rates.probe_seconds + time.perf_counter() - begun)
             note = (f"draft vocabulary {vocab} -> {want} (tokens seen >= {VOCAB_MIN_PASSES} times in "
                     f"{plan.sizes['train']} epochs over {int(plan.sizes['cache'])} conversations; training "
                     f"{plan.rates.train_tokens_per_s:.0f} -> {rates.train_tokens_per_s:.0f} tokens/s)")

@@ -165,6 +165,7 @@ def test_a_larger_budget_gets_a_larger_vocabulary_at_its_own_training_rate(monke
     # each vocabulary the plan moved to was measured, and the plan was refitted at that rate
     assert large.shapes["draft_vocab_size"] in measured
     assert large.rates.train_tokens_per_s == pytest.approx(rate_at(large.shapes["draft_vocab_size"]))
+    assert large.rates.probe_seconds >= rates(3).probe_seconds  # the new measurement's time is the probe's
     assert large.shape_notes and "draft vocabulary 4096 ->" in large.shape_notes[0]
     assert sum(large.predicted_s.values()) <= 120 * 60 * PLAN_FRACTION + 1
     assert any("draft   vocabulary" in line for line in plan_lines(large))
