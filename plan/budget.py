@@ -361,22 +361,24 @@ class Probe:
     rates: BoxRates
     lengths: list[int]
     """Token counts of the source's usable conversations, in the cache's order."""
-    loss_ids: list[torch.Tensor]
-    """Each of those conversations' tokens at loss positions (what the draft learns to predict)."""
+    samples: list[Any]
+    """Those conversations, tokenized with their loss masks (``data/template.py: Tokenized``)."""
     rate_at: Callable[[int], float]
     """The training rate (token-passes/s) at another draft vocabulary, measured like the probe's."""
     vocab_size: int
     """The verifier's vocabulary."""
 
     def counts_for(self, conversations: int) -> torch.Tensor:
-        """int64 [verifier vocabulary]: each token's loss positions in the first ``conversations``."""
-        ids = torch.cat([torch.zeros(0, dtype=torch.int64), *self.loss_ids[:conversations]])
-        return torch.bincount(ids, minlength=self.vocab_size)
+        """int64 [verifier vocabulary]: each token's loss positions in the first ``conversations`` (counted as the
+        cache counts them for its draft vocabulary)."""
+        from fledge.data.vocab import count_tokens
+
+        return count_tokens(self.samples[:conversations], self.vocab_size)
 
 
 def probe_box(cache_job: Any, train_job: Any, eval_job: Any, conversations: int | None = None) -> Probe:
     """Measure the three rates on this box with the stages' own code and shapes (~45 s on a 2-core CPU), and the
-    token count and loss tokens of each usable conversation of the source, in the cache's order: the first
+    token count and loss mask of each usable conversation of the source, in the cache's order: the first
     ``conversations`` (a size the user fixed) or up to ``PROBE_CONVERSATIONS``."""
     import dataclasses
 
@@ -396,8 +398,6 @@ def probe_box(cache_job: Any, train_job: Any, eval_job: Any, conversations: int 
     job = dataclasses.replace(cache_job, data=dataclasses.replace(cache_job.data, max_conversations=limit))
     prep = prepare(job, DistInfo(), device)
     lengths = [len(s.input_ids) for s in prep.samples]
-    loss_ids = [torch.tensor(s.input_ids, dtype=torch.int64)[torch.tensor(s.loss_mask, dtype=torch.bool)]
-                for s in prep.samples]
 
     # The cache: the verifier's forward over real batches of the cache's own plan, spread over its lengths.
     batches = [b for shard in prep.plan.shards for b in shard]
@@ -430,7 +430,7 @@ def probe_box(cache_job: Any, train_job: Any, eval_job: Any, conversations: int 
         return bench_dtype(dataclasses.replace(bench, draft_vocab_size=vocab), dtype)["tokens_per_s"]
 
     train_rate = rate_at(draft_vocab)
-    vocab_size = int(hf.vocab_size)
+    vocab_size, prep_samples = int(hf.vocab_size), prep.samples
     del prep
 
     # Decoding: plain greedy with a KV cache, in the kernel the evaluation decodes with.
@@ -447,4 +447,4 @@ def probe_box(cache_job: Any, train_job: Any, eval_job: Any, conversations: int 
     del verifier
     rates = BoxRates(cache_rate, train_rate, decode_rate, dtype, time.perf_counter() - start)
     log.info("budget probe: %s", rates)
-    return Probe(rates, lengths, loss_ids, rate_at, vocab_size)
+    return Probe(rates, lengths, prep_samples, rate_at, vocab_size)
