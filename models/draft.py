@@ -55,6 +55,11 @@ class Eagle3Config:
     aux_layer_ids: list[int] = field(default_factory=lambda: [2, 2, 2])
     """``output_hidden_states`` indices of the verifier states that ``fc`` fuses (index 0 = embedding output)."""
     hidden_act: str = "silu"
+    aux_scale: list[float] | None = None
+    """Divisors of the three aux states before ``fc`` (None: 1, 1, 1): a constant per layer, so that the fused
+    features and ``fc``'s updates are on one scale although the verifier's layers are not (on SmolLM2-135M their
+    RMS runs 2.7 / 6.3 / 23). Export folds them into ``fc.weight``, which then reads the raw states: the served
+    checkpoint is a plain EAGLE-3 head."""
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -68,6 +73,10 @@ class Eagle3Config:
             )
         if len(self.aux_layer_ids) != 3:
             raise ConfigError(f"aux_layer_ids must hold 3 indices, got {self.aux_layer_ids}")
+        if self.aux_scale is not None:
+            if len(self.aux_scale) != 3 or not all(float(v) > 0 for v in self.aux_scale):
+                raise ConfigError(f"aux_scale must hold 3 positive numbers, got {self.aux_scale}")
+            self.aux_scale = [float(v) for v in self.aux_scale]
         if self.head_dim % 2:
             raise ConfigError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
         if self.hidden_act not in ("silu", "gelu", "gelu_pytorch_tanh", "relu"):
@@ -523,6 +532,8 @@ class Eagle3Draft(nn.Module):
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """[B, T, 3*target_hidden] concatenated aux states -> [B, T, hidden] fused features."""
+        if self.config.aux_scale is not None:
+            aux = torch.cat([x / s for x, s in zip(aux.chunk(3, dim=-1), self.config.aux_scale)], dim=-1)
         return self.fc(aux.to(self.fc.weight.dtype))
 
     def rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -101,6 +101,11 @@ def read_meta(folder: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def read_draft_config(folder: Path) -> Eagle3Config:
+    """The ``Eagle3Config`` a draft folder or checkpoint was written with."""
+    return Eagle3Config.from_dict(json.loads((Path(folder) / DRAFT_CONFIG).read_text()))
+
+
 def load_draft(
     path: str | Path, verifier_dir: str | Path | None = None, device: str | torch.device = "cpu",
     check_verifier: bool = True,
@@ -110,7 +115,7 @@ def load_draft(
     from fledge.models.verifier import check_fingerprint, load_embed_and_head
 
     folder = draft_folder(path)
-    config = Eagle3Config.from_dict(json.loads((folder / DRAFT_CONFIG).read_text()))
+    config = read_draft_config(folder)
     meta = read_meta(folder)
     vdir = Path(verifier_dir) if verifier_dir is not None else Path(meta["verifier"]["path"])
     if check_verifier and meta["verifier"].get("fingerprint"):

@@ -430,3 +430,40 @@ def test_a_draft_over_the_whole_vocabulary_ships_no_d2t_and_a_d2t_there_is_refus
     problems = check_checkpoint(out, verifier_dir)
     assert [(p.level, p.code) for p in problems] == [("error", "d2t-full-vocab")]
     assert "draft_id_to_target_id" in problems[0].message
+
+
+def test_aux_scale_is_folded_into_fc_so_the_export_is_a_plain_head_that_drafts_the_same(verifier_dir, tmp_path):
+    """``Eagle3Config.aux_scale``: fc reads aux_i / s_i; the draft folder keeps the divisors, the export folds them
+    into fc's columns (engines feed it the raw states) and imports as a head without them, drafting the same."""
+    import dataclasses
+
+    plain = make_draft(verifier_dir)
+    scaled = Eagle3Draft(dataclasses.replace(plain.config, aux_scale=[2.0, 5.0, 20.0]))
+    scaled.load_verifier_embedding(plain.embed_tokens.weight)
+    scaled.load_trainable_state_dict(plain.trainable_state_dict())
+    scaled.eval()
+    aux = torch.randn(2, 6, 3 * H, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    divisors = torch.tensor([2.0, 5.0, 20.0], dtype=torch.float64).repeat_interleave(H)
+    w = plain.fc.weight.double()
+    assert torch.allclose(scaled.double().fuse(aux), aux @ (w / divisors).T, rtol=1e-12, atol=0)
+    assert torch.allclose(plain.double().fuse(aux), aux @ w.T, rtol=1e-12, atol=0)
+    scaled.float(), plain.float()
+
+    meta = {"format": "fledge-draft-1", "aux_layer_ids": AUX, "step": 1,
+            "verifier": {"name": "tiny-llama", "path": str(verifier_dir), "fingerprint": weight_fingerprint(verifier_dir)}}
+    write_final_draft(tmp_path / "run", scaled.trainable_state_dict(), scaled.config, meta)
+    reloaded = load_draft(tmp_path / "run")
+    assert reloaded.config.aux_scale == [2.0, 5.0, 20.0]
+    assert torch.equal(draft_outputs(reloaded)[0], draft_outputs(scaled)[0])
+
+    out = run(ExportJobConfig(draft=str(tmp_path / "run"), out_dir=str(tmp_path / "serving"), dtype="float32"))
+    assert "aux_scale" not in json.dumps(json.loads((out / "config.json").read_text()))
+    imported = load_exported(out, verifier_dir)
+    assert imported.config.aux_scale is None
+    assert torch.allclose(imported.fc.weight, scaled.fc.weight / divisors.float(), rtol=1e-6, atol=0)
+    logits_a, ids_a = draft_outputs(scaled)
+    logits_b, ids_b = draft_outputs(imported)
+    assert torch.allclose(logits_a, logits_b, rtol=1e-4, atol=1e-5) and torch.equal(ids_a, ids_b)
+    assert check_checkpoint(out, verifier_dir) == []
+    with pytest.raises(Exception, match="aux_scale must hold 3 positive numbers"):
+        dataclasses.replace(plain.config, aux_scale=[1.0, 0.0, 2.0])

@@ -13,7 +13,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from fledge.core.errors import ConfigError
+from fledge.core.errors import ConfigError, MismatchError
 from fledge.launch.cli import run_stage
 from fledge.models.draft_folder import complete_checkpoints, load_draft
 from fledge.train.logger import tau_sim
@@ -309,6 +309,76 @@ def test_train_draft_vocab_size_chooses_the_vocabulary_again_from_the_caches_cou
         build_draft(reader, dataclasses.replace(TrainConfig(), draft_vocab_size=counts.numel() + 1))
     with pytest.raises(ConfigError, match="draft_vocab_size must be >= 0"):
         TrainConfig(draft_vocab_size=-1)
+
+
+def test_train_draft_intermediate_size_widens_the_mlp_and_the_draft_folder_carries_it(cache, tmp_path):
+    """``train.draft_intermediate_size=N``: the draft's MLP is N wide (0: the verifier's), and the trained draft's
+    folder says so, so that export writes it into ``config.json``."""
+    import dataclasses
+
+    from fledge.data.cache import CacheReader
+    from fledge.models.draft_folder import load_draft
+    from fledge.train.config import TrainConfig
+    from fledge.train.loop import build_draft
+
+    reader = CacheReader(cache)
+    default, _ = build_draft(reader, TrainConfig())
+    wide = 2 * default.config.intermediate_size
+    draft, _ = build_draft(reader, dataclasses.replace(TrainConfig(), draft_intermediate_size=wide))
+    assert draft.config.intermediate_size == wide
+    assert [tuple(p.shape) for n, p in draft.named_parameters() if n.endswith("up_proj.weight")] == [
+        (wide, draft.config.hidden_size)
+    ]
+    out = tmp_path / "run"
+    run_stage("train", train_overrides(cache, out, **{"train.max_steps": 1, "train.draft_intermediate_size": wide}))
+    assert load_draft(out / "draft").config.intermediate_size == wide
+    with pytest.raises(ConfigError, match="draft_intermediate_size must be >= 0"):
+        TrainConfig(draft_intermediate_size=-1)
+
+
+def test_train_aux_scale_divides_each_aux_state_by_its_median_rms_in_the_data(cache, tmp_path):
+    """``train.aux_scale``: the draft's fc reads each aux state over its typical size, the median over positions of
+    its RMS in the data (a few positions are hundreds of times larger); the trained draft keeps the divisors."""
+    import dataclasses
+
+    from fledge.data.cache import CacheReader
+    from fledge.models.draft_folder import load_draft
+    from fledge.train.config import TrainConfig
+    from fledge.train.loop import aux_scales, build_draft
+
+    reader = CacheReader(cache)
+    rows = torch.cat([reader[i]["aux"].float() for i in range(min(32, len(reader)))])
+    h = rows.shape[-1] // 3
+    expected = [float(rows[:, j * h:(j + 1) * h].pow(2).mean(-1).sqrt().median()) for j in range(3)]
+    assert aux_scales(reader) == pytest.approx(expected, rel=1e-6)
+    with_outlier = dict(reader[0])
+    with_outlier["aux"] = reader[0]["aux"].clone()
+    with_outlier["aux"][0] *= 1000  # one position's state a thousand times larger moves a median by one rank at most
+    assert aux_scales([with_outlier] * 3) == pytest.approx(aux_scales([reader[0]] * 3), rel=0.5)
+    draft, _ = build_draft(reader, dataclasses.replace(TrainConfig(), aux_scale=True))
+    assert draft.config.aux_scale == pytest.approx(expected, rel=1e-6)
+    assert build_draft(reader, TrainConfig())[0].config.aux_scale is None
+    out = tmp_path / "run"
+    run_stage("train", train_overrides(cache, out, **{"train.max_steps": 1, "train.aux_scale": True}))
+    assert load_draft(out / "draft").config.aux_scale == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_resume_keeps_the_checkpoints_aux_scale_and_refuses_to_switch_it(cache, tmp_path):
+    """A resumed run divides by the divisors its checkpoint's weights were trained with (another machine may measure
+    them a last bit apart), and turning ``train.aux_scale`` on or off across a resume is refused."""
+    from fledge.models.draft_folder import load_draft
+
+    out = tmp_path / "run"
+    args = {"train.aux_scale": True, "checkpoint.every": 1}
+    run_stage("train", train_overrides(cache, out, **{**args, "train.max_steps": 1}))
+    config_file = out / "checkpoints" / "step-000001" / "draft_config.json"
+    saved = json.loads(config_file.read_text())
+    saved["aux_scale"] = [s * 1.001 for s in saved["aux_scale"]]
+    config_file.write_text(json.dumps(saved))
+    run_stage("train", train_overrides(cache, out, **{**args, "train.max_steps": 2}))
+    assert load_draft(out / "draft").config.aux_scale == saved["aux_scale"]
+    with pytest.raises(MismatchError, match="train.aux_scale: checkpoint has True, this run has False"):
+        run_stage("train", train_overrides(cache, out, **{"train.aux_scale": False, "train.max_steps": 3}))
 
 
 def test_a_time_limit_ends_the_run_at_a_step_boundary_with_its_final_draft(cache, tmp_path):

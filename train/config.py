@@ -76,6 +76,12 @@ class TrainConfig:
     """0: the draft vocabulary the cache chose (``cache.draft_vocab_size``). N: the N tokens most often in the loss,
     chosen again from the token counts the cache kept beside it, without caching again (the hidden states do not
     depend on it), so that one cache serves drafts of several vocabulary sizes."""
+    draft_intermediate_size: int = 0
+    """0: the draft's MLP is as wide as the verifier's (EAGLE-3's choice, what serving engines expect by default).
+    N: an MLP N wide; the exported ``config.json`` carries it, and vLLM and SGLang read it from there."""
+    aux_scale: bool = False
+    """Divide each aux state by its typical RMS before ``fc`` (``Eagle3Config.aux_scale``, measured on the data at
+    the start); exported folded into ``fc``, so the served head is a plain EAGLE-3 one."""
     # ---- numerics
     dtype: str = "auto"
     """'fp32', 'bf16' autocast (fp32 weights, optimizer and gradient reduction; bf16 matrix products), or 'auto':
@@ -115,6 +121,10 @@ class TrainConfig:
             raise ConfigError(f"train.clip_norm must be >= 0 (0 = no clipping), got {self.clip_norm}")
         if self.draft_vocab_size < 0:
             raise ConfigError(f"train.draft_vocab_size must be >= 0 (0: the cache's), got {self.draft_vocab_size}")
+        if self.draft_intermediate_size < 0:
+            raise ConfigError(
+                f"train.draft_intermediate_size must be >= 0 (0: the verifier's), got {self.draft_intermediate_size}"
+            )
         if self.max_steps < 0 or self.epochs < 0:
             raise ConfigError("train.max_steps and train.epochs must be >= 0")
         if self.max_steps == 0 and self.epochs <= 0:

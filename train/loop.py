@@ -35,7 +35,7 @@ from fledge.data.cache import CacheConfig, CacheReader
 from fledge.data.online import FirstEpochSource, OnlineSource, TrainDataConfig
 from fledge.data.vocab import build_draft_vocab
 from fledge.models.draft import Eagle3Config, Eagle3Draft
-from fledge.models.draft_folder import CHECKPOINTS, latest_checkpoint, write_final_draft
+from fledge.models.draft_folder import CHECKPOINTS, latest_checkpoint, read_draft_config, write_final_draft
 from fledge.models.verifier import VerifierConfig, check_fingerprint, load_embed_and_head, load_final_norm
 from fledge.train import sampler
 from fledge.train.checkpoint import (
@@ -166,6 +166,8 @@ RESUME_INVARIANTS = (
     _job.train.max_tokens,
     _job.train.grad_accum,
     _job.train.freeze_head,
+    _job.train.aux_scale,
+    _job.train.draft_intermediate_size,
     _job.train.optimizer,
     _job.ttt.ttt_steps,
     _job.ttt.step_decay,
@@ -252,6 +254,9 @@ def train(cfg: TrainJobConfig, info: DistInfo, device: torch.device) -> TrainRes
     if resume_from is not None:
         check_resume(resume_from, resolved, RESUME_INVARIANTS)
         state = load_checkpoint(resume_from, engine, info)
+        # The divisors the checkpoint's weights were trained with, as measured then (another machine's reduction
+        # may round the measurement differently in the last bits).
+        draft.config.aux_scale = read_draft_config(resume_from).aux_scale
         log.info("resumed from %s (step %d)", resume_from, state.step)
 
     logger = MetricsLogger(
@@ -419,6 +424,15 @@ def split_data(cfg: TrainJobConfig, reader: TrainingData) -> tuple[list[int], Tr
     return list(range(n)), None, []
 
 
+def aux_scales(reader: TrainingData, conversations: int = 32) -> list[float]:
+    """The typical size of each aux state: the median over positions of its RMS, in the first ``conversations``
+    conversations (``train.aux_scale``). A median, because a few positions (the first token's attention sink) carry
+    states hundreds of times larger."""
+    rows = [reader[i]["aux"].float() for i in range(min(conversations, len(reader)))]
+    aux = torch.cat([r.reshape(-1, r.shape[-1]) for r in rows])
+    return [float(x.pow(2).mean(-1).sqrt().median().clamp_min(1e-6)) for x in aux.chunk(3, dim=-1)]
+
+
 def build_draft(reader: TrainingData, train: TrainConfig) -> tuple[Eagle3Draft, torch.Tensor]:
     """A fresh draft shaped like the cache's verifier, with its embedding and the cache's draft vocabulary, and the
     verifier's head (float32) for the teacher. Only the embedding and the head are read, never the whole model; a
@@ -440,6 +454,10 @@ def build_draft(reader: TrainingData, train: TrainConfig) -> tuple[Eagle3Draft, 
         AutoConfig.from_pretrained(verifier_dir), draft_vocab_size=int(d2t.numel()),
         aux_layer_ids=list(reader.manifest["aux_layer_ids"]),
     )
+    if train.draft_intermediate_size:
+        config = dataclasses.replace(config, intermediate_size=train.draft_intermediate_size)
+    if train.aux_scale:
+        config = dataclasses.replace(config, aux_scale=aux_scales(reader))
     if config.target_hidden_size != int(reader.manifest["hidden_size"]):
         raise MismatchError(
             f"{origin}: cached hidden size {reader.manifest['hidden_size']} != verifier's {config.target_hidden_size}"
