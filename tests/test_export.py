@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from fledge.core.errors import ConfigError
 from fledge.export.check import check_checkpoint
 from fledge.export.job import ExportJobConfig, default_out_dir, run
 from fledge.export.write import export_draft, speculators_dir, tau_from_report
@@ -369,7 +370,6 @@ def test_default_out_dir(run_dir):
 def test_cli_composes_and_dispatches(run_dir, verifier_dir, tmp_path, capsys):
     from hydra.errors import ConfigCompositionException
 
-    from fledge.core.errors import ConfigError
     from fledge.launch.cli import compose_config, main, run_stage
 
     with pytest.raises(ConfigError, match="checkpoint= is now draft="):
@@ -447,7 +447,8 @@ def test_aux_scale_is_folded_into_fc_so_the_export_is_a_plain_head_that_drafts_t
     w = plain.fc.weight.double()
     assert torch.allclose(scaled.double().fuse(aux), aux @ (w / divisors).T, rtol=1e-12, atol=0)
     assert torch.allclose(plain.double().fuse(aux), aux @ w.T, rtol=1e-12, atol=0)
-    scaled.float(), plain.float()
+    scaled.float()
+    plain.float()
 
     meta = {"format": "fledge-draft-1", "aux_layer_ids": AUX, "step": 1,
             "verifier": {"name": "tiny-llama", "path": str(verifier_dir), "fingerprint": weight_fingerprint(verifier_dir)}}
@@ -465,5 +466,5 @@ def test_aux_scale_is_folded_into_fc_so_the_export_is_a_plain_head_that_drafts_t
     logits_b, ids_b = draft_outputs(imported)
     assert torch.allclose(logits_a, logits_b, rtol=1e-4, atol=1e-5) and torch.equal(ids_a, ids_b)
     assert check_checkpoint(out, verifier_dir) == []
-    with pytest.raises(Exception, match="aux_scale must hold 3 positive numbers"):
+    with pytest.raises(ConfigError, match="aux_scale must hold 3 positive numbers"):
         dataclasses.replace(plain.config, aux_scale=[1.0, 0.0, 2.0])

@@ -317,7 +317,6 @@ def test_train_draft_intermediate_size_widens_the_mlp_and_the_draft_folder_carri
     import dataclasses
 
     from fledge.data.cache import CacheReader
-    from fledge.models.draft_folder import load_draft
     from fledge.train.config import TrainConfig
     from fledge.train.loop import build_draft
 
@@ -342,7 +341,6 @@ def test_train_aux_scale_divides_each_aux_state_by_its_median_rms_in_the_data(ca
     import dataclasses
 
     from fledge.data.cache import CacheReader
-    from fledge.models.draft_folder import load_draft
     from fledge.train.config import TrainConfig
     from fledge.train.loop import aux_scales, build_draft
 
@@ -366,8 +364,6 @@ def test_train_aux_scale_divides_each_aux_state_by_its_median_rms_in_the_data(ca
 def test_a_resume_keeps_the_checkpoints_aux_scale_and_refuses_to_switch_it(cache, tmp_path):
     """A resumed run divides by the divisors its checkpoint's weights were trained with (another machine may measure
     them a last bit apart), and turning ``train.aux_scale`` on or off across a resume is refused."""
-    from fledge.models.draft_folder import load_draft
-
     out = tmp_path / "run"
     args = {"train.aux_scale": True, "checkpoint.every": 1}
     run_stage("train", train_overrides(cache, out, **{**args, "train.max_steps": 1}))
