@@ -158,11 +158,10 @@ def serving_tensors(draft: Eagle3Draft, dtype: torch.dtype, ship_embedding: bool
     weights = draft.trainable_state_dict()
     if ship_embedding:
         weights["embed_tokens.weight"] = draft.embed_tokens.weight
-    if draft.config.aux_scale is not None:
+    columns = draft.config.aux_columns(torch.float64)
+    if columns is not None:
         # fc reads aux_i / s_i in training (Eagle3Config.aux_scale); engines feed it the raw states, so the divisors
         # go into its columns: the same product, a plain EAGLE-3 fc.
-        divisors = torch.tensor(draft.config.aux_scale, dtype=torch.float64)
-        columns = divisors.repeat_interleave(draft.config.target_hidden_size)
         weights["fc.weight"] = (weights["fc.weight"].detach().cpu().double() / columns).float()
     for name, tensor in weights.items():
         tensor = tensor.detach().cpu()

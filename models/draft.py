@@ -107,6 +107,15 @@ class Eagle3Config:
             hidden_act=str(getattr(text, "hidden_act", "silu")),
         )
 
+    def aux_columns(self, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+                    ) -> torch.Tensor | None:
+        """``aux_scale`` per column of ``fc``'s input ([3 * target_hidden_size]), or None without it: what
+        ``Eagle3Draft.fuse`` divides the concatenated states by, and what export folds into ``fc.weight``."""
+        if self.aux_scale is None:
+            return None
+        divisors = torch.tensor(self.aux_scale, dtype=dtype, device=device)
+        return divisors.repeat_interleave(self.target_hidden_size)
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -532,8 +541,9 @@ class Eagle3Draft(nn.Module):
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """[B, T, 3*target_hidden] concatenated aux states -> [B, T, hidden] fused features."""
-        if self.config.aux_scale is not None:
-            aux = torch.cat([x / s for x, s in zip(aux.chunk(3, dim=-1), self.config.aux_scale)], dim=-1)
+        columns = self.config.aux_columns(device=aux.device)
+        if columns is not None:
+            aux = (aux / columns).to(aux.dtype)  # a bf16 state is divided in float32 and rounded back
         return self.fc(aux.to(self.fc.weight.dtype))
 
     def rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
