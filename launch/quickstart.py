@@ -35,6 +35,7 @@ from fledge.plan.budget import (
     probe_box,
     revise_epochs,
     revise_prompts,
+    train_overrides,
 )
 
 log = logging.getLogger(__name__)
@@ -157,10 +158,10 @@ def run_pipeline(cfg: QuickstartConfig) -> dict[str, Any]:
         if plan is not None and stage in SIZE_KEYS:
             if stage == "train" and "cache" in ran:
                 cached = json.loads((Path(compose_config("train", overrides).cache_dir) / "manifest.json").read_text())
-                _, limit = revise_epochs(plan, int(cached["num_tokens"]), timings["cache"]["seconds"])
-                overrides.append(f"train.time_limit_minutes={limit:.2f}")
-            elif stage == "train" and plan.fixed.get("train") is None:
-                overrides.append(f"train.time_limit_minutes={1.1 * plan.predicted_s['train'] / 60:.2f}")
+                revise_epochs(plan, int(cached["num_tokens"]), timings["cache"]["seconds"])
+            if stage == "train":  # its share of the budget (or a safety net), where the user set neither
+                given = {o.split("=", 1)[0] for o in overrides}
+                overrides += [o for o in train_overrides(plan) if o.split("=", 1)[0] not in given]
             if stage == "eval" and "train" in ran:
                 revise_prompts(plan, timings["train"]["seconds"])
             size = plan.sizes[stage]

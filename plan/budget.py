@@ -10,9 +10,10 @@ learn (``VOCAB_MIN_PASSES``: a token's count in the planned conversations' answe
 budget, which trains on more conversations, gets a larger vocabulary; the training rate is measured again at that
 vocabulary and the sizes refitted (``fit_shapes``).
 
-The plan is revised as the run goes: after the cache, the epochs are recomputed from the time left and the
-cache's actual speed (a box slower than its probe is slower for training too), and training carries a time limit
-as a safety net; after training, the number of eval prompts is recomputed the same way. ``budget.json`` in the run
+The plan is revised as the run goes: after the cache, training's share is recomputed from the time left and the
+cache's actual speed (a box slower than its probe is slower for training too), and training runs for that share of
+the time (``train.time_budget_minutes``, its cosine following the time spent, its epochs an upper bound); after
+training, the number of eval prompts is recomputed the same way. ``budget.json`` in the run
 folder records the plan and each revision, so that a rerun reuses it (and skips the finished stages) instead of
 measuring again; ``fledge quickstart`` prints the plan before starting and plan-vs-actual at the end.
 
@@ -74,6 +75,8 @@ EPOCHS = 2.0
 """Passes over the cached conversations while the source has more to cache: on a small budget, two epochs over
 more conversations beat more epochs over fewer (measured in the quickstart's history, DESIGN notes)."""
 MAX_EPOCHS = 8.0
+TIME_CAP = 2.0
+"""Training sized by time may run up to this many times its predicted epochs (``train_overrides``)."""
 MIN_PROMPTS, MAX_PROMPTS = 4, 80
 EVAL_SHARE = 0.15
 """Of the budget, what the evaluation may take beyond its minimum of 8 prompts."""
@@ -274,9 +277,10 @@ def fit_shapes(
     return plan
 
 
-def revise_epochs(plan: BudgetPlan, cached_tokens: int, cache_seconds: float) -> tuple[float, float]:
-    """After the cache: epochs that fill the time left, with the training rate scaled by how the cache's real speed
-    compared with its prediction; and the training's time limit in minutes (a safety net 10 % above its share)."""
+def revise_epochs(plan: BudgetPlan, cached_tokens: int, cache_seconds: float) -> float:
+    """After the cache: the epochs that fill the time left, with the training rate scaled by how the cache's real
+    speed compared with its prediction, and training's predicted seconds (``train_overrides`` turns them into the
+    stage's share of the budget). Epochs the user fixed stay."""
     slowdown = min(2.0, max(0.5, cache_seconds / plan.predicted_s["cache"]))
     rate = plan.rates.train_tokens_per_s / slowdown
     eval_s = plan.eval_s(int(plan.sizes["eval"]), plan.rates.decode_tokens_per_s / slowdown)
@@ -288,7 +292,22 @@ def revise_epochs(plan: BudgetPlan, cached_tokens: int, cache_seconds: float) ->
     plan.revisions.append(f"after cache ({cache_seconds:.0f} s, {slowdown:.2f}x its prediction): train.epochs "
                           f"{plan.sizes['train']} -> {epochs} ({seconds:.0f} s predicted)")
     plan.sizes["train"], plan.predicted_s["train"] = epochs, seconds
-    return epochs, 1.1 * seconds / 60
+    return epochs
+
+
+def train_overrides(plan: BudgetPlan) -> list[str]:
+    """How training keeps to its share of the budget. Planned epochs: the run is sized by time
+    (``train.time_budget_minutes``: its predicted seconds less its fixed costs), its cosine follows the time spent,
+    and the epochs become an upper bound ``TIME_CAP`` times the prediction (within ``MAX_EPOCHS``), so that a box
+    faster than predicted trains longer instead of leaving the time unused. Epochs the user fixed: those, with
+    ``train.time_limit_minutes`` 10 % above the prediction as a safety net. The same plan gives the same overrides
+    (a rerun skips a finished training)."""
+    seconds = plan.predicted_s["train"]
+    if plan.fixed.get("train"):
+        return [f"train.time_limit_minutes={1.1 * seconds / 60:.2f}"]
+    cap = min(MAX_EPOCHS, max(plan.sizes["train"], TIME_CAP * plan.sizes["train"]))
+    return [f"train.time_budget_minutes={max(seconds - STAGE_FIXED_S['train'], 1.0) / 60:.2f}",
+            f"train.epochs={cap:.2f}"]
 
 
 def revise_prompts(plan: BudgetPlan, train_seconds: float) -> int:

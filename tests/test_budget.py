@@ -6,17 +6,19 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
+from omegaconf import OmegaConf
 
 from fledge.core.errors import ConfigError
 from fledge.launch.quickstart import QuickstartConfig, run_pipeline
-import torch
-
+from fledge.models.draft_folder import complete_checkpoints
 from fledge.plan import budget
 from fledge.plan.budget import (
     MAX_EPOCHS,
     MAX_PROMPTS,
     MIN_BUDGET_MINUTES,
     PLAN_FRACTION,
+    STAGE_FIXED_S,
     VOCAB_CEIL,
     VOCAB_FLOOR,
     BoxRates,
@@ -29,6 +31,7 @@ from fledge.plan.budget import (
     plan_vs_actual,
     revise_epochs,
     revise_prompts,
+    train_overrides,
 )
 
 from conftest import write_sharegpt_jsonl
@@ -76,8 +79,16 @@ def test_revisions_follow_the_boxs_real_speed():
     planned = plan.sizes["train"]
     tokens = sum(LENGTHS[: int(plan.sizes["cache"])])
     plan.started -= plan.rates.probe_seconds + plan.predicted_s["cache"] * 1.5
-    epochs, limit = revise_epochs(plan, tokens, plan.predicted_s["cache"] * 1.5)  # the cache ran 1.5x slower
-    assert epochs < planned and limit * 60 > plan.predicted_s["train"]
+    epochs = revise_epochs(plan, tokens, plan.predicted_s["cache"] * 1.5)  # the cache ran 1.5x slower
+    assert epochs < planned == 2.0
+    # training is sized by its share of the time, its epochs only an upper bound (twice the prediction)
+    share, cap = train_overrides(plan)
+    assert share == f"train.time_budget_minutes={(plan.predicted_s['train'] - STAGE_FIXED_S['train']) / 60:.2f}"
+    assert cap == f"train.epochs={2 * epochs:.2f}" and train_overrides(plan) == [share, cap]  # a rerun: the same
+    fixed = fit_budget(20, rates(1), LENGTHS, eval_rows=5, eval_new_tokens=96, fixed={"train": 3.0})
+    fixed.started -= fixed.rates.probe_seconds + fixed.predicted_s["cache"]
+    assert revise_epochs(fixed, tokens, fixed.predicted_s["cache"]) == 3.0  # epochs the user gave stay, with a net
+    assert train_overrides(fixed) == [f"train.time_limit_minutes={1.1 * fixed.predicted_s['train'] / 60:.2f}"]
     plan.started -= plan.predicted_s["train"] * 2
     prompts = revise_prompts(plan, plan.predicted_s["train"] * 2)  # and training ran late: fewer prompts
     assert 4 <= prompts < 8 and len(plan.revisions) == 2
@@ -209,6 +220,10 @@ def test_the_quickstart_under_a_budget_on_a_tiny_verifier(tmp_path, tiny_verifie
     assert 64 <= vocab < 4096 and vocab % 64 == 0 and "draft_vocab_size" not in saved["fixed"]
     assert saved["shape_notes"] and f"draft vocabulary 4096 -> {vocab}" in saved["shape_notes"][0]
     assert manifest["draft_vocab_size"] == vocab
+    # training ran for its share of the time, up to twice the epochs predicted (here the cap: a tiny draft is fast)
+    (_, last), *_ = reversed(complete_checkpoints(run / "train" / "checkpoints"))
+    trained = OmegaConf.load(last / "train_config.yaml").train
+    assert trained.time_budget_minutes > 0 and trained.epochs == pytest.approx(min(MAX_EPOCHS, 2 * plan.sizes["train"]))
     # the evaluation carries what the budget has left as its time limit
     limit = json.loads((run / "eval" / "report.json").read_text())["config"]["time_limit_minutes"]
     assert 0.5 <= limit <= 3

@@ -87,6 +87,23 @@ def test_warmup_then_cosine_to_min_lr():
     assert all(a >= b for a, b in zip(values, values[1:]))
 
 
+def test_a_run_sized_by_time_follows_the_time_spent_or_the_steps_whichever_is_further():
+    from fledge.train.stopping import TimeShare
+
+    share = TimeShare(budget_minutes=1.0)  # 60 s, at most 110 steps
+    f = warmup_cosine(total_steps=110, warmup_steps=10, min_ratio=0.1, share=share)
+    step_only = warmup_cosine(total_steps=110, warmup_steps=10, min_ratio=0.1)
+    assert [f(s) for s in (0, 4, 60, 110)] == pytest.approx([step_only(s) for s in (0, 4, 60, 110)])  # no time yet
+    share.spent_s = 30.0  # half the time spent at step 20: the schedule stands at step 55
+    assert f(20) == pytest.approx(step_only(55)) and f(20) < step_only(20)
+    assert f(80) == pytest.approx(step_only(80))  # the steps further along than the time
+    share.spent_s = 3.0  # 5 % of the time, step 5.5: still in the warmup, which takes the same share of the time
+    assert f(0) == pytest.approx(step_only(5.5)) == pytest.approx(0.65)
+    share.spent_s = 61.0  # spent: the floor, at any step
+    assert f(3) == pytest.approx(0.1) and share.fraction() == 1.0 and share.spent()
+    assert not TimeShare().spent() and TimeShare().fraction() == 0.0  # a run sized by steps
+
+
 def test_bf16_on_a_deepspeed_that_ignores_torch_autocast_is_refused():
     from fledge.core.errors import ConfigError
     from fledge.train.engine import MIN_DEEPSPEED, check_deepspeed_version

@@ -155,6 +155,20 @@ def test_a_signal_to_one_rank_stops_both_at_the_same_step_and_the_run_resumes(ca
     assert_matches_single(out, single)
 
 
+def test_two_ranks_sized_by_time_stop_at_the_same_step_on_rank_0s_clock(cache, tmp_path):
+    """A run sized by time under DDP: every rank takes rank 0's seconds (one all-reduce per step), so both stop
+    after the same step (a split would hang in the next collective) with the schedule at its floor."""
+    out = tmp_path / "timed"
+    run_cli(train_overrides(cache, out, **{**COMMON, "engine.kind": "ddp", "train.max_steps": 100_000,
+                                           "train.time_budget_minutes": 0.05, "train.min_lr": 1e-3, "checkpoint.every": 0}),
+            nproc=2)
+    records = [r for r in read_jsonl(out / "metrics.jsonl") if "lr" in r]
+    assert 1 <= records[-1]["step"] < 100_000 and records[-1]["lr"] == pytest.approx(1e-3)
+    (step, last), = complete_checkpoints(out / "checkpoints")
+    assert step == records[-1]["step"] and {f.name for f in last.glob("rng-*.pt")} == {"rng-00000.pt", "rng-00001.pt"}
+    assert torch.load(last / "train_state.pt", weights_only=True)["seconds"] >= 3.0
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_deepspeed_zero_under_torchrun_matches_single_process(cache, single, tmp_path, stage):
     out = tmp_path / f"zero{stage}"

@@ -391,3 +391,29 @@ def test_a_time_limit_ends_the_run_at_a_step_boundary_with_its_final_draft(cache
     assert result.step == 1  # the first step boundary is past the limit
     assert (out / "draft" / "model.safetensors").is_file()
     assert [step for step, _ in complete_checkpoints(out / "checkpoints")] == [1]
+
+
+def test_a_run_sized_by_time_trains_until_its_time_is_spent_and_ends_at_the_schedules_floor(cache, tmp_path):
+    out = tmp_path / "timed"
+    args = {"train.max_steps": 100_000, "train.time_budget_minutes": 0.02, "checkpoint.every": 0,
+            "train.lr": 1e-3, "train.min_lr": 1e-4}
+    result = run_stage("train", train_overrides(cache, out, **args))
+    assert 1 <= result.step < 100_000  # the time ended it, not the steps
+    assert result.last["lr"] == pytest.approx(1e-4)  # the cosine followed the time to its floor
+    lrs = [r["lr"] for r in read_jsonl(out / "metrics.jsonl") if "lr" in r]
+    assert len(lrs) >= 3 and all(a >= b for a, b in zip(lrs, lrs[1:])) and lrs[0] > lrs[-1]
+    (step, last), = complete_checkpoints(out / "checkpoints")
+    seconds = torch.load(last / "train_state.pt", weights_only=True)["seconds"]
+    assert step == result.step and seconds >= 1.2
+    # A rerun resumes with its time spent: no step. A larger budget goes on from the checkpoint's seconds.
+    assert run_stage("train", train_overrides(cache, out, **args)).step == result.step
+    longer = run_stage("train", train_overrides(cache, out, **{**args, "train.time_budget_minutes": 0.04}))
+    assert longer.step > result.step and longer.last["lr"] == pytest.approx(1e-4)
+    spent = torch.load(complete_checkpoints(out / "checkpoints")[-1][1] / "train_state.pt", weights_only=True)
+    assert spent["seconds"] >= 2.4
+    # the clock went on from the first process's seconds (half the new budget), not from zero: its first learning
+    # rate is already half-way down the cosine
+    resumed = [r["lr"] for r in read_jsonl(out / "metrics.jsonl") if "lr" in r and r["step"] > result.step]
+    assert resumed and resumed[0] < 0.6e-3
+    with pytest.raises(ConfigError, match="train.time_budget_minutes must be > 0"):
+        run_stage("train", train_overrides(cache, out, **{"train.time_budget_minutes": 0}))

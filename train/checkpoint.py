@@ -76,6 +76,8 @@ class TrainState:
     """Steps whose update the non-finite guard skipped."""
     tokens_seen: int = 0
     """Real (non-padding) tokens of all ranks trained on so far."""
+    seconds: float = 0.0
+    """Loop time spent so far as rank 0 counts it, over every process of the run (``train.time_budget_minutes``)."""
     world_size: int = 1
 
 

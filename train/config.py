@@ -50,8 +50,13 @@ class TrainConfig:
     epochs: float = 3.0
     """Passes over the training conversations (fractions allowed); used when ``max_steps`` is 0."""
     time_limit_minutes: float | None = None
-    """Stop at the first step boundary after this much training time (the final draft and a checkpoint are written
-    as at the planned end); None trains all the steps. The quickstart's time budget sets it as a safety net."""
+    """Stop at the first step boundary after this much training time in this process (the final draft and a
+    checkpoint are written as at the planned end); None trains all the steps. The schedule still follows the steps."""
+    time_budget_minutes: float | None = None
+    """Size the run by time: train until this much loop time is spent (held-out evaluations and checkpoint writes
+    count; a resumed run goes on from its checkpoint's seconds), with the learning rate's cosine following the share
+    of it spent. The steps of ``max_steps`` / ``epochs`` are then an upper bound. The quickstart gives its training
+    stage's share of the budget here, so that a box faster than predicted trains longer instead of ending early."""
     # ---- batch
     micro_batch_size: int = 4
     """Sequences per forward on each rank (ignored when ``max_tokens`` > 0)."""
@@ -111,8 +116,9 @@ class TrainConfig:
             raise ConfigError(f"need 0 <= train.min_lr ({self.min_lr}) <= train.lr ({self.lr}) and train.lr > 0")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"train.betas must be two numbers in [0, 1), got {self.betas}")
-        if self.time_limit_minutes is not None and self.time_limit_minutes <= 0:
-            raise ConfigError(f"train.time_limit_minutes must be > 0 or null, got {self.time_limit_minutes}")
+        for name in ("time_limit_minutes", "time_budget_minutes"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ConfigError(f"train.{name} must be > 0 or null, got {getattr(self, name)}")
         if self.warmup_steps is not None and self.warmup_steps < 0:
             raise ConfigError(f"train.warmup_steps must be >= 0 or null, got {self.warmup_steps}")
         if not 0.0 <= self.warmup_ratio < 1.0:

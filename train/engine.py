@@ -37,6 +37,7 @@ from fledge.core.dist import TIMEOUT_MINUTES, DistInfo, backend_for, dist_info, 
 from fledge.core.dist import init_process_group as join_process_group
 from fledge.core.errors import ConfigError
 from fledge.train.config import TrainConfig
+from fledge.train.stopping import TimeShare
 from fledge.train.ttt import TeacherHead, TTTConfig, ttt_forward
 
 log = logging.getLogger(__name__)
@@ -125,21 +126,27 @@ class StepResult:
     """False when the non-finite guard skipped the update."""
 
 
-def warmup_cosine(total_steps: int, warmup_steps: int, min_ratio: float) -> Callable[[int], float]:
-    """LR multiplier: linear from 1/warmup to 1 over the warmup, then cosine down to ``min_ratio`` at the end."""
+def warmup_cosine(
+    total_steps: int, warmup_steps: int, min_ratio: float, share: TimeShare | None = None
+) -> Callable[[int], float]:
+    """LR multiplier: linear from 1/warmup to 1 over the warmup, then cosine down to ``min_ratio`` at the end. A run
+    sized by time (``share`` with a budget; ``total_steps`` is then its upper bound) stands at the step its share of
+    the time spent corresponds to, or at the step it took, whichever is further: its warmup takes the same share of
+    the time as of the steps, and the cosine reaches its floor when the time is spent."""
 
     def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
+        at = max(step, share.fraction() * total_steps) if share is not None else step
+        if at < warmup_steps:
+            return min(1.0, (at + 1) / warmup_steps)
         span = max(1, total_steps - warmup_steps)
-        progress = min(1.0, (step - warmup_steps) / span)
+        progress = min(1.0, (at - warmup_steps) / span)
         return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return factor
 
 
 def make_optimizer(
-    module: nn.Module, train: TrainConfig, total_steps: int
+    module: nn.Module, train: TrainConfig, total_steps: int, share: TimeShare | None = None
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over every trainable parameter (decay on matrices only), or with ``train.optimizer=muon``: Muon for the
     hidden matrices (the decoder layer and ``fc``) and AdamW for the rest (``lm_head``, norms), as Muon's authors
@@ -157,7 +164,9 @@ def make_optimizer(
     if hidden:
         muon = torch.optim.Muon(hidden, lr=train.lr, weight_decay=train.weight_decay, adjust_lr_fn="match_rms_adamw")
         optimizer = OptimizerPair([muon, optimizer])
-    schedule = warmup_cosine(total_steps, train.warmup(total_steps), train.min_lr / train.lr)
+    # A closure, not a callable object: LambdaLR would save an object's fields in the checkpoint and a resume would
+    # bring back the old length (max_steps / epochs may change on resume; the cosine follows the new one).
+    schedule = warmup_cosine(total_steps, train.warmup(total_steps), train.min_lr / train.lr, share)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
@@ -264,14 +273,14 @@ class TorchEngine:
 
     def __init__(
         self, module: TTTModule, train: TrainConfig, cfg: EngineConfig, info: DistInfo, device: torch.device,
-        total_steps: int,
+        total_steps: int, share: TimeShare | None = None,
     ) -> None:
         self.module = module.to(device)
         self.draft = module.draft
         self.device = device
         self.bf16 = train.dtype == "bf16"
         self.clip_norm = train.clip_norm
-        self.optimizer, self.scheduler = make_optimizer(module, train, total_steps)
+        self.optimizer, self.scheduler = make_optimizer(module, train, total_steps, share)
         self.params = [p for group in self.optimizer.param_groups for p in group["params"]]
         self.ddp = cfg.kind == "ddp" and info.world_size > 1
         self.wrapped: nn.Module = module
@@ -393,7 +402,7 @@ class DeepSpeedEngine:
 
     def __init__(
         self, module: TTTModule, train: TrainConfig, cfg: EngineConfig, info: DistInfo, device: torch.device,
-        total_steps: int,
+        total_steps: int, share: TimeShare | None = None,
     ) -> None:
         import deepspeed
 
@@ -401,7 +410,7 @@ class DeepSpeedEngine:
         self.device = device
         self.ds_config = deepspeed_config(train, cfg, info.world_size)
         self.zero_stage = int(self.ds_config.get("zero_optimization", {}).get("stage", 0))
-        optimizer, scheduler = make_optimizer(module, train, total_steps)
+        optimizer, scheduler = make_optimizer(module, train, total_steps, share)
         client_optimizer: Any = optimizer
         client_scheduler: Any = scheduler
         if "optimizer" in self.ds_config:
@@ -485,8 +494,10 @@ Engine = TorchEngine | DeepSpeedEngine
 
 
 def build_engine(
-    module: TTTModule, train: TrainConfig, cfg: EngineConfig, info: DistInfo, device: torch.device, total_steps: int
+    module: TTTModule, train: TrainConfig, cfg: EngineConfig, info: DistInfo, device: torch.device, total_steps: int,
+    share: TimeShare | None = None,
 ) -> Engine:
+    """The engine ``cfg.kind`` names; ``share``: a run sized by time, whose schedule follows the time spent."""
     if cfg.kind == "deepspeed":
-        return DeepSpeedEngine(module, train, cfg, info, device, total_steps)
-    return TorchEngine(module, train, cfg, info, device, total_steps)
+        return DeepSpeedEngine(module, train, cfg, info, device, total_steps, share)
+    return TorchEngine(module, train, cfg, info, device, total_steps, share)

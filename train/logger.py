@@ -68,8 +68,9 @@ class MetricsLogger:
 
     def __init__(
         self, cfg: LogConfig, output_dir: Path, jsonl_path: Path, config: dict[str, Any], is_main: bool,
-        start_step: int, total_steps: int,
+        start_step: int, total_steps: int | None,
     ) -> None:
+        """``total_steps``: where the progress bar ends (None: a run sized by time, counted without an end)."""
         self.is_main = is_main
         self.run = None
         self.bar = None

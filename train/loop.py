@@ -59,7 +59,7 @@ from fledge.train.engine import (
     init_process_group,
 )
 from fledge.train.logger import LogConfig, MetricsLogger, with_tau
-from fledge.train.stopping import SIGNAL, TIME_LIMIT, Preempted, PreemptionSignals, stop_reason
+from fledge.train.stopping import SIGNAL, TIME_BUDGET, TIME_LIMIT, Preempted, PreemptionSignals, TimeShare, stop_reason
 from fledge.train.ttt import TTTConfig
 
 log = logging.getLogger(__name__)
@@ -233,7 +233,8 @@ def train(cfg: TrainJobConfig, info: DistInfo, device: torch.device) -> TrainRes
     compiled = train_cfg.compiles(draft.config.draft_vocab_size, draft.config.hidden_size)
     module = TTTModule(draft, verifier_head, cfg.ttt, compiled)
     del verifier_head  # the module keeps the teacher's split of it
-    engine = build_engine(module, train_cfg, cfg.engine, info, device, total_steps)
+    share = TimeShare(cfg.train.time_budget_minutes)  # a run sized by time: its schedule follows share.spent_s
+    engine = build_engine(module, train_cfg, cfg.engine, info, device, total_steps, share)
     eval_set = sampler.eval_batches(
         eval_reader.lengths() if eval_reader else [], eval_ids, cfg.train.micro_batch_size, cfg.train.max_tokens,
         info.rank, info.world_size,
@@ -254,13 +255,15 @@ def train(cfg: TrainJobConfig, info: DistInfo, device: torch.device) -> TrainRes
     if resume_from is not None:
         check_resume(resume_from, resolved, RESUME_INVARIANTS)
         state = load_checkpoint(resume_from, engine, info)
+        share.before_s = share.spent_s = state.seconds
         # The divisors the checkpoint's weights were trained with, as measured then (another machine's reduction
         # may round the measurement differently in the last bits).
         draft.config.aux_scale = read_draft_config(resume_from).aux_scale
         log.info("resumed from %s (step %d)", resume_from, state.step)
 
-    logger = MetricsLogger(
-        cfg.log, output_dir, cfg.jsonl_path, resolved, info.is_main, state.step, total_steps
+    logger = MetricsLogger(  # a run sized by time has no known last step for its progress bar
+        cfg.log, output_dir, cfg.jsonl_path, resolved, info.is_main, state.step,
+        None if share.budget_s else total_steps,
     )
     # ds_numel: ZeRO-3 leaves each rank's parameter tensors empty and records their full size there.
     numel = {p: getattr(p, "ds_numel", p.numel()) for p in draft.parameters()}
@@ -287,6 +290,8 @@ def train(cfg: TrainJobConfig, info: DistInfo, device: torch.device) -> TrainRes
             load_eval = data.read  # through the data thread: the reader is never used from two threads at once
         else:
             load_eval = lambda ids: sampler.collate([eval_reader[j] for j in ids], device)  # noqa: E731
+        if share.spent() and state.step < total_steps:  # resumed after its time was spent: nothing left to train
+            total_steps = state.step
         while state.step < total_steps:
             micro_batches, position = bucket_sampler.next_step(sampler.DataPosition(state.epoch, state.batch))
             if position.epoch > 0 and isinstance(reader, FirstEpochSource) and not reader.complete:
@@ -304,21 +309,27 @@ def train(cfg: TrainJobConfig, info: DistInfo, device: torch.device) -> TrainRes
                     engine.backward(loss / cfg.train.grad_accum, boundary)
                 # Metrics add up on the device, tokens on the host: no host sync per micro-batch.
                 window.add(metrics, tokens=int(bucket_sampler.lengths[indices].sum()))
+            # Before the optimizer step: a run sized by time takes its next learning rate at the time spent now.
+            stop = stop_reason(cfg.train.time_limit_minutes, loop_start, signals, device, share)
             result = engine.step()  # clip, skip if the gradient is not finite (one host sync), AdamW, LR schedule
             if not checked_dtype:  # what the forward ran in, against what the run records
                 checked_dtype = check_compute_dtype(module, train_cfg.dtype, runtime["engine"])
             state.step += 1
             state.epoch, state.batch = position.epoch, position.batch
+            state.seconds = share.spent_s
             state.skipped_steps += 0 if result.applied else 1
             if not result.applied:
                 log.warning("step %d: non-finite gradient norm %s, update skipped", state.step, result.grad_norm)
             window.add_step(result.grad_norm)
             logger.advance()
-            stop = stop_reason(cfg.train.time_limit_minutes, loop_start, signals, device)
             if stop == TIME_LIMIT and state.step < total_steps:
                 log.warning("train.time_limit_minutes=%g reached at step %d of %d: ending the run here",
                             cfg.train.time_limit_minutes, state.step, total_steps)
                 total_steps = state.step  # the final logging, held-out eval and checkpoint below run for this step
+            elif stop == TIME_BUDGET and state.step < total_steps:
+                log.info("train.time_budget_minutes=%g spent at step %d (at most %d): the run ends here",
+                         cfg.train.time_budget_minutes, state.step, total_steps)
+                total_steps = state.step
             # Preempted: log this step (and evaluate it when due), checkpoint it, and leave without the final draft:
             # the run is not over, and its resumption must log exactly what an uninterrupted run logs.
             preempted = stop == SIGNAL and state.step < total_steps

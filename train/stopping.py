@@ -1,4 +1,11 @@
-"""Ending a run before its last step: ``train.time_limit_minutes``, or a preemption signal (SIGTERM, SIGUSR1).
+"""Ending a run before its last step: ``train.time_budget_minutes`` (a run sized by time), ``train.time_limit_minutes``,
+or a preemption signal (SIGTERM, SIGUSR1).
+
+A run sized by time (``TimeShare``) ends at the first step boundary after its budget is spent, and its learning rate's
+cosine follows the share of that budget spent (``train/engine.py: warmup_cosine``): a box faster than predicted trains
+more steps instead of ending early, a slower one fewer, and both end their schedule at its floor. The seconds counted
+are rank 0's, handed to every rank in the step's one all-reduce, so that every rank takes the same learning rate
+and stops at the same step; a checkpoint records them (``TrainState.seconds``) and a resumed run goes on from there.
 
 A scheduler about to take the machines back sends a signal first (SLURM at ``--signal=...@seconds`` before the time
 limit, ``scancel``, a preemption, Kubernetes on eviction: SIGTERM). While the training loop runs,
@@ -24,7 +31,27 @@ PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 SLURM for ahead of the time limit, and what SLURM users conventionally give ``--signal``."""
 
 TIME_LIMIT = "time_limit"
+TIME_BUDGET = "time_budget"
 SIGNAL = "signal"
+
+
+class TimeShare:
+    """The seconds a run sized by time may train (``budget_s``; None: the run is sized by steps) and the seconds it
+    has spent, the same on every rank (``stop_reason`` sets them once per step, before the optimizer step, so that
+    the schedule's next learning rate sees the time of the step just taken)."""
+
+    def __init__(self, budget_minutes: float | None = None, before_s: float = 0.0) -> None:
+        self.budget_s = None if budget_minutes is None else 60.0 * budget_minutes
+        self.before_s = before_s
+        """Seconds spent before this process (a resumed run's checkpoint)."""
+        self.spent_s = before_s
+
+    def fraction(self) -> float:
+        """The share of the budget spent, 0 to 1 (0 for a run sized by steps)."""
+        return 0.0 if not self.budget_s else min(1.0, self.spent_s / self.budget_s)
+
+    def spent(self) -> bool:
+        return self.budget_s is not None and self.spent_s >= self.budget_s
 
 
 class PreemptionSignals:
@@ -73,23 +100,33 @@ class Preempted(SystemExit):
 
 
 def stop_reason(
-    limit_minutes: float | None, since: float, signals: PreemptionSignals, device: torch.device
+    limit_minutes: float | None, since: float, signals: PreemptionSignals, device: torch.device,
+    share: TimeShare | None = None,
 ) -> str | None:
-    """Why the run must end after the step just taken: ``SIGNAL`` (preempted), ``TIME_LIMIT``, or None.
+    """Why the run must end after the step being taken: ``SIGNAL`` (preempted), ``TIME_LIMIT`` (``limit_minutes``
+    since ``since`` in this process), ``TIME_BUDGET`` (a run sized by time has spent its ``share``, whose
+    ``spent_s`` this sets to the seconds since ``since`` plus those spent before this process), or None.
 
     Every rank must answer alike at the same step, or some would wait in a collective that the others never join.
-    Under several ranks it is therefore one all-reduce (max) of two flags per step: the time limit as rank 0's
-    clock sees it (the other ranks put in 0, so that clock skew cannot split them) and whether any rank received a
-    signal. It runs only when something can stop the run, a time limit or installed handlers, which is the same
+    Under several ranks it is therefore one all-reduce (max) per step of the seconds as rank 0's clock sees them
+    (the other ranks put in 0, so that clock skew cannot split them) and whether any rank received a signal. It
+    runs only when something can stop the run, a time limit, a time budget or installed handlers, which is the same
     on every rank; a single process reads its own clock and flag without a device tensor.
     """
-    over = limit_minutes is not None and time.perf_counter() - since >= 60 * limit_minutes
+    seconds = time.perf_counter() - since
     signalled = signals.received is not None
+    timed = share is not None and share.budget_s is not None
     several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    if several and (limit_minutes is not None or signals.installed):
-        flags = torch.tensor([float(over and dist.get_rank() == 0), float(signalled)], device=device)
+    if several and (limit_minutes is not None or timed or signals.installed):
+        flags = torch.tensor([seconds if dist.get_rank() == 0 else 0.0, float(signalled)], device=device,
+                             dtype=torch.float64)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        over, signalled = (bool(v) for v in flags.tolist())
+        seconds, flag = flags.tolist()
+        signalled = bool(flag)
+    if share is not None:
+        share.spent_s = share.before_s + seconds
     if signalled:
         return SIGNAL
-    return TIME_LIMIT if over else None
+    if limit_minutes is not None and seconds >= 60 * limit_minutes:
+        return TIME_LIMIT
+    return TIME_BUDGET if share is not None and share.spent() else None
