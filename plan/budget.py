@@ -76,7 +76,8 @@ EPOCHS = 2.0
 more conversations beat more epochs over fewer (measured in the quickstart's history, DESIGN notes)."""
 MAX_EPOCHS = 8.0
 TIME_CAP = 2.0
-"""Training sized by time may run up to this many times its predicted epochs (``train_overrides``)."""
+"""Stages sized by time may run up to this many times their predicted size: training its epochs
+(``train_overrides``), the evaluation its prompts (``revise_prompts``)."""
 MIN_PROMPTS, MAX_PROMPTS = 4, 80
 EVAL_SHARE = 0.15
 """Of the budget, what the evaluation takes: as many prompts as fit in it, at least ``MIN_PROMPTS``. The quickstart's
@@ -85,8 +86,9 @@ eval`` on 24 prompts or more); the rest of the budget goes to the draft. Before 
 least 8 prompts, which on the 20-minute quickstart was 37 % of the budget (425 of 1,200 s)."""
 # Per-stage costs that do not scale with the sizes (process start, loading, the dtype probe, writing the report,
 # measuring v(k)), in seconds; calibrated on the 2-core AVX2 box from plan-vs-actual
-# (docs/experiments/2026-12-01-budget-and-levers.md).
-STAGE_FIXED_S = {"cache": 20.0, "train": 25.0, "eval": 45.0, "export": 5.0}
+# (docs/experiments/2026-12-01-budget-and-levers.md). Training's: the stage took 4 s more than its loop in both
+# quickstarts sized by time (docs/experiments/2026-12-06-time-sized-training.md); 25 s before.
+STAGE_FIXED_S = {"cache": 20.0, "train": 10.0, "eval": 45.0, "export": 5.0}
 BUDGET_FORMAT = 2
 """The layout of the run folder's ``budget.json`` (``BudgetPlan``); 2 added ``shapes``."""
 
@@ -314,25 +316,25 @@ def train_overrides(plan: BudgetPlan) -> list[str]:
 
 
 def revise_prompts(plan: BudgetPlan, train_seconds: float) -> int:
-    """After training: the eval prompts that fit in the time left (at least ``MIN_PROMPTS``). Training that ended
-    early (its epochs done before its share of the budget) leaves time: more prompts then, up to ``MAX_PROMPTS``,
-    counted at no faster rate than the probe's (the evaluation's time limit still holds the budget)."""
+    """After training: the evaluation runs for the time the whole budget has left. The prompts that fit in it at
+    the probe's decoding rate (scaled by how training's real speed compared with its prediction, and no faster than
+    the probe's) times ``TIME_CAP`` are its upper bound, at least ``MIN_PROMPTS``, at most ``MAX_PROMPTS``; the
+    evaluation's time limit (``eval_time_limit``) ends it, a prompt starting only while it fits. The count at the
+    probe's rate errs high or low by a quarter with the box and the draft (a good draft's rounds decode faster than
+    plain decoding), so the time decides, as for training, and the plan's margin (``PLAN_FRACTION``) is not kept
+    back here. Returns the upper bound (``eval.max_prompts``)."""
     slowdown = min(2.0, max(0.5, train_seconds / plan.predicted_s["train"]))
-    rate = plan.rates.decode_tokens_per_s / slowdown
+    rate = min(plan.rates.decode_tokens_per_s, plan.rates.decode_tokens_per_s / slowdown)
     if plan.fixed.get("eval"):
         return int(plan.sizes["eval"])
-    left = plan.budget_s * PLAN_FRACTION - plan.elapsed() - STAGE_FIXED_S["export"] - STAGE_FIXED_S["eval"]
-    fit = left / (plan.eval_s(1, rate) - STAGE_FIXED_S["eval"])
-    if fit > plan.sizes["eval"]:
-        rate = min(rate, plan.rates.decode_tokens_per_s)
-        fit = left / (plan.eval_s(1, rate) - STAGE_FIXED_S["eval"])
-        prompts = int(min(MAX_PROMPTS, max(plan.sizes["eval"], fit)))
-    else:
-        prompts = int(max(MIN_PROMPTS, fit))
+    left = plan.budget_s - plan.elapsed() - STAGE_FIXED_S["export"] - STAGE_FIXED_S["eval"]
+    per_prompt = plan.eval_s(1, rate) - STAGE_FIXED_S["eval"]
+    prompts = int(min(MAX_PROMPTS, max(MIN_PROMPTS, math.ceil(TIME_CAP * left / per_prompt))))
     if prompts != plan.sizes["eval"]:
         plan.revisions.append(f"after train ({train_seconds:.0f} s, {slowdown:.2f}x its prediction): "
-                              f"eval.max_prompts {plan.sizes['eval']} -> {prompts}")
-    plan.sizes["eval"], plan.predicted_s["eval"] = prompts, plan.eval_s(prompts, rate)
+                              f"eval.max_prompts {plan.sizes['eval']} -> {prompts} (the time left decides)")
+    plan.sizes["eval"] = prompts
+    plan.predicted_s["eval"] = min(plan.eval_s(prompts, rate), STAGE_FIXED_S["eval"] + max(left, per_prompt))
     return prompts
 
 
