@@ -159,9 +159,9 @@ def test_two_ranks_sized_by_time_stop_at_the_same_step_on_rank_0s_clock(cache, t
     """A run sized by time under DDP: every rank takes rank 0's seconds (one all-reduce per step), so both stop
     after the same step (a split would hang in the next collective) with the schedule at its floor."""
     out = tmp_path / "timed"
-    run_cli(train_overrides(cache, out, **{**COMMON, "engine.kind": "ddp", "train.max_steps": 100_000,
-                                           "train.time_budget_minutes": 0.05, "train.min_lr": 1e-3, "checkpoint.every": 0}),
-            nproc=2)
+    timed = {"engine.kind": "ddp", "train.max_steps": 100_000, "train.time_budget_minutes": 0.05,
+             "train.min_lr": 1e-3, "checkpoint.every": 0}
+    run_cli(train_overrides(cache, out, **{**COMMON, **timed}), nproc=2)
     records = [r for r in read_jsonl(out / "metrics.jsonl") if "lr" in r]
     assert 1 <= records[-1]["step"] < 100_000 and records[-1]["lr"] == pytest.approx(1e-3)
     (step, last), = complete_checkpoints(out / "checkpoints")
