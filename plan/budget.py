@@ -64,7 +64,11 @@ vocabulary measured at the smallest budgets: the rule grows it, never shrinks it
 MIN_BUDGET_MINUTES = 3.0
 """Below this, loading the verifier, probing and one evaluation prompt alone take the budget: refused at once."""
 PLAN_FRACTION = 0.95
-"""The plan fills this share of the budget; the rest absorbs what the rates do not predict."""
+"""The plan fills this share of the budget; the rest absorbs what the rates do not predict (the cache's speed)."""
+REVISED_FRACTION = 0.99
+"""After the cache, the share of the budget the revision fills: training and the evaluation are sized by time from
+then on (each ends on its clock), so the plan's margin goes to training rather than to an evaluation that grew into
+it (25 % of the 20-minute budget instead of its 15 %: docs/experiments/2026-12-06-time-sized-training.md)."""
 DECODE_PROBE_RUNS = 3
 """Short greedy decodes the probe times; the fastest counts."""
 PROBE_CONVERSATIONS = 5000
@@ -283,13 +287,15 @@ def fit_shapes(
 
 
 def revise_epochs(plan: BudgetPlan, cached_tokens: int, cache_seconds: float) -> float:
-    """After the cache: the epochs that fill the time left, with the training rate scaled by how the cache's real
-    speed compared with its prediction, and training's predicted seconds (``train_overrides`` turns them into the
-    stage's share of the budget). Epochs the user fixed stay."""
+    """After the cache: the epochs that fill the time left (``REVISED_FRACTION`` of the budget less the evaluation's
+    share), with the training rate scaled by how the cache's real speed compared with its prediction, and training's
+    predicted seconds (``train_overrides`` turns them into the stage's share of the budget). Epochs the user fixed
+    stay."""
     slowdown = min(2.0, max(0.5, cache_seconds / plan.predicted_s["cache"]))
     rate = plan.rates.train_tokens_per_s / slowdown
     eval_s = plan.eval_s(int(plan.sizes["eval"]), plan.rates.decode_tokens_per_s / slowdown)
-    left = plan.budget_s * PLAN_FRACTION - plan.elapsed() - eval_s - STAGE_FIXED_S["export"] - STAGE_FIXED_S["train"]
+    left = (plan.budget_s * REVISED_FRACTION - plan.elapsed() - eval_s - STAGE_FIXED_S["export"]
+            - STAGE_FIXED_S["train"])
     epochs = plan.sizes["train"]
     if not plan.fixed.get("train"):
         epochs = round(min(MAX_EPOCHS, max(0.1, left * rate / max(cached_tokens, 1))), 2)

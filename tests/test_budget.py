@@ -21,6 +21,7 @@ from fledge.plan.budget import (
     MIN_BUDGET_MINUTES,
     MIN_PROMPTS,
     PLAN_FRACTION,
+    REVISED_FRACTION,
     STAGE_FIXED_S,
     VOCAB_CEIL,
     VOCAB_FLOOR,
@@ -87,6 +88,11 @@ def test_revisions_follow_the_boxs_real_speed():
     plan.started -= plan.rates.probe_seconds + plan.predicted_s["cache"] * 1.5
     epochs = revise_epochs(plan, tokens, plan.predicted_s["cache"] * 1.5)  # the cache ran 1.5x slower
     assert epochs < planned == 2.0
+    # the stages left fill REVISED_FRACTION of the budget: the plan's margin goes to training, not to the evaluation
+    eval_s = plan.eval_s(int(plan.sizes["eval"]), plan.rates.decode_tokens_per_s / 1.5)  # as slow as the cache
+    left = plan.predicted_s["train"] + eval_s + STAGE_FIXED_S["export"]
+    rounding = 0.005 * tokens / (plan.rates.train_tokens_per_s / 1.5)  # the epochs are rounded to 0.01
+    assert abs(plan.elapsed() + left - 20 * 60 * REVISED_FRACTION) < rounding + 1
     # training is sized by its share of the time, its epochs only an upper bound (twice the prediction)
     share, cap = train_overrides(plan)
     assert share == f"train.time_budget_minutes={(plan.predicted_s['train'] - STAGE_FIXED_S['train']) / 60:.2f}"
