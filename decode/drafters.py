@@ -247,14 +247,11 @@ class HybridDrafter:
 
     def __init__(self, eagle: Drafter, lookup: PromptLookupDrafter, draft_tokens: int = 0, extend: int = 0,
                  lookup_nodes: int = 0, recycle: RecycleTable | None = None, budget: int = 0):
-        if lookup_nodes < 0:
-            raise ConfigError(f"hybrid lookup_nodes must be >= 0 (0: off), got {lookup_nodes}")
-        if draft_tokens < 0:
-            raise ConfigError(f"hybrid draft_tokens must be >= 0 (0: the chain's length), got {draft_tokens}")
-        if extend < 0:
-            raise ConfigError(f"hybrid extend must be >= 0 (0: off), got {extend}")
-        if budget < 0:
-            raise ConfigError(f"hybrid budget must be >= 0 (0: every candidate), got {budget}")
+        settings = (("lookup_nodes", lookup_nodes, "off"), ("draft_tokens", draft_tokens, "the chain's length"),
+                    ("extend", extend, "off"), ("budget", budget, "every candidate"))
+        for key, value, zero in settings:
+            if value < 0:
+                raise ConfigError(f"hybrid {key} must be >= 0 (0: {zero}), got {value}")
         self.eagle = eagle
         self.lookup = lookup
         self.draft_tokens = draft_tokens

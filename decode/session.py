@@ -155,13 +155,10 @@ class VerifierSession:
         cols = torch.arange(longest, device=self.device)
         keys = cols[None, :] >= self.starts[:, None]  # [B, longest]
         sees = keys[:, None, :] & (cols[None, :, None] >= cols[None, None, :])  # causal, real keys only
-        if self.window is not None:  # the model's own rule: key visible iff query - key < window
-            sees &= (cols[None, :, None] - cols[None, None, :]) < self.window
         sees |= torch.eye(longest, dtype=torch.bool, device=self.device)[None]  # padding rows see themselves
-        mask = torch.zeros(len(prompts), 1, longest, longest, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~sees[:, None], torch.finfo(self.dtype).min)
         positions = (cols[None, :] - self.starts[:, None]).clamp_min(0)
-        self.model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
+        # The cache is empty: ``_mask`` adds no committed column, only the sliding window (within the prompt).
+        self.model(input_ids=ids, position_ids=positions, attention_mask=self._mask(sees, positions), use_cache=True,
                    logits_to_keep=1, **{self._cache_kwarg: self.cache})
         if self._captured is None:
             return [None] * len(prompts)
