@@ -152,10 +152,7 @@ def _topk_lines(topk: list | None, shapes: list[TreeShape]) -> list[str]:
 
 
 def _candidate_json(c: Candidate) -> dict[str, Any]:
-    return {"name": c.name, "method": c.method, "num_draft_tokens": c.num_draft_tokens, "hybrid": c.hybrid,
-            "branch": c.branch, "tree": dataclasses.asdict(c.tree) if c.tree else None,
-            "expected_tokens": c.expected_tokens,
-            "round_cost": c.round_cost, "predicted_speedup": c.predicted_speedup}
+    return {**dataclasses.asdict(c), "predicted_speedup": c.predicted_speedup}
 
 
 def run(cfg: TuneJobConfig) -> dict[str, Any]:

@@ -319,11 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     work = out_path.with_suffix(".phases")
     work.mkdir(exist_ok=True)
     spec_path = work / "inputs.json"
-    spec_path.write_text(json.dumps({"verifier": str(Path(args.verifier).resolve()),
-                                     "export": str(Path(args.export).resolve()),
-                                     "prompt_ids": prompt_ids, "stop_ids": stop_ids}))
     inputs = json.dumps({"verifier": str(Path(args.verifier).resolve()), "export": str(Path(args.export).resolve()),
                          "prompt_ids": prompt_ids, "stop_ids": stop_ids})
+    spec_path.write_text(inputs)
     phase_args = json.dumps({"k": args.k, "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
                              "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
                              "compile": args.compile})
