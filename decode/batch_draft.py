@@ -42,25 +42,20 @@ class BatchDrafter(Protocol):
 
     def start(self, contexts: list[torch.Tensor], auxes: list[torch.Tensor | None]) -> None:
         """Row i's prompt ``contexts[i]`` [L_i] and the verifier's features of its positions 0..L_i-2 (or None)."""
-        ...
 
     def propose_chains(self, lengths: list[int], sampling: SamplingParams,
                        generator: torch.Generator | None) -> list[ChainDraft]:
         """Up to ``lengths[i]`` drafts for row i (0: none)."""
-        ...
 
     def propose_trees(self, shapes: list[TreeShape | None], sampling: SamplingParams,
                       generator: torch.Generator | None) -> list[DraftTree]:
         """A tree of ``shapes[i]`` for row i (None: an empty tree)."""
-        ...
 
     def advance(self, updates: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
         """Every row committed ``updates[i] = (tokens [n_i], aux [n_i, 3H] or None)``; speculation is forgotten."""
-        ...
 
     def keep_rows(self, rows: list[int]) -> None:
         """Only these rows (in order) stay."""
-        ...
 
     observe_top_k: int
     """How many of the verifier's most likely next tokens per verified row ``observe`` wants (0: no call)."""
@@ -68,7 +63,6 @@ class BatchDrafter(Protocol):
     def observe(self, blocks: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Row i's last verified block: ``(tokens [q_i], the verifier's top ids there [q_i, observe_top_k])``,
         before ``advance``."""
-        ...
 
 
 def batch_drafter(drafters: list[Drafter]) -> BatchDrafter:
@@ -124,14 +118,10 @@ class RowwiseBatch:
         return max((getattr(d, "observe_top_k", 0) for d in self.rows), default=0)
 
     def observe(self, blocks) -> None:
-        observe_rows(self.rows, blocks)
-
-
-def observe_rows(rows: list, blocks: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Hand each row's verified block to its drafter, where it wants one."""
-    for drafter, (tokens, top_ids) in zip(rows, blocks):
-        if getattr(drafter, "observe_top_k", 0):
-            drafter.observe(tokens, top_ids)
+        """Hand each row's verified block to its drafter, where it wants one."""
+        for drafter, (tokens, top_ids) in zip(self.rows, blocks):
+            if getattr(drafter, "observe_top_k", 0):
+                drafter.observe(tokens, top_ids)
 
 
 @dataclasses.dataclass
@@ -373,8 +363,9 @@ class BatchedEagle:
         return [t if t is not None else empty_tree() for t in found]
 
 
-class BatchedHybrid:
-    """``HybridDrafter`` over a batch: prompt lookup per row, the EAGLE-3 draft batched (``BatchedEagle``)."""
+class BatchedHybrid(RowwiseBatch):
+    """``HybridDrafter`` over a batch: prompt lookup per row, the EAGLE-3 draft batched (``BatchedEagle``); the rows
+    observe as ``RowwiseBatch``'s do."""
 
     needs_aux = True
 
@@ -418,6 +409,3 @@ class BatchedHybrid:
     @property
     def observe_top_k(self) -> int:
         return self.rows[0].observe_top_k if self.rows else 0
-
-    def observe(self, blocks) -> None:
-        observe_rows(self.rows, blocks)

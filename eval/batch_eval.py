@@ -46,6 +46,19 @@ def _group_speedup(groups: list[tuple[int, float, int, float]]) -> tuple[float, 
     return pooled(groups), [lo, hi]
 
 
+def decode_rows(
+    verifier: Verifier, prompts: list[torch.Tensor], rows: list[Drafter] | None, method: str | None, cfg: Any,
+    stop_ids: frozenset[int], max_new_tokens: int,
+) -> tuple[list[DecodeResult], float]:
+    """``generate`` as every evaluation runs it: the prompts with one drafter each (``rows``; None: plain decoding),
+    the evaluation's sampling, draft shapes and seed, capturing the verifier states the drafters read."""
+    aux = rows[0].aux_layer_ids if rows is not None and rows[0].needs_aux else None  # the draft's own
+    return generate(verifier.model, prompts, rows, method="plain" if rows is None else method,
+                    num_draft_tokens=cfg.num_draft_tokens, shape=cfg.tree_shape(), max_new_tokens=max_new_tokens,
+                    sampling=cfg.sampling(), stop_ids=stop_ids, aux_layer_ids=aux,
+                    generator=seeded_generator(verifier.device, cfg.seed))
+
+
 def evaluate_batched(
     verifier: Verifier,
     encoded: list[tuple[Any, torch.Tensor]],
@@ -58,9 +71,6 @@ def evaluate_batched(
     """{str(B): {"plain": {...}, "drafters": {name: entry}}} for one prompt set, and the smallest batch size's plain
     answers in prompt order. With ``judge`` (greedy), each drafter's rows are checked against plain's
     (``greedy_outcome``)."""
-    model = verifier.model
-    common = dict(sampling=cfg.sampling(), stop_ids=stop_ids, num_draft_tokens=cfg.num_draft_tokens,
-                  shape=cfg.tree_shape())
     out: dict[str, dict[str, Any]] = {}
     first_plain: list[DecodeResult] = []
     for size in cfg.batch_sizes():
@@ -69,10 +79,7 @@ def evaluate_batched(
         def run(prompts: list[torch.Tensor], name: str | None, max_new_tokens: int) -> tuple[list[DecodeResult], float]:
             drafter = dict(drafters).get(name) if name else None
             rows = None if drafter is None else [drafter.fresh() for _ in prompts]
-            aux = drafter.aux_layer_ids if drafter is not None and drafter.needs_aux else None
-            return generate(model, prompts, rows, method=methods.get(name, "plain") if name else "plain",
-                                  max_new_tokens=max_new_tokens, aux_layer_ids=aux,
-                                  generator=seeded_generator(verifier.device, cfg.seed), **common)
+            return decode_rows(verifier, prompts, rows, methods.get(name), cfg, stop_ids, max_new_tokens)
 
         if cfg.warmup_tokens:
             first = [ids for _, ids in groups[0]]
@@ -93,7 +100,7 @@ def evaluate_batched(
             plain_units.append((sum(len(r.tokens) for r in results), elapsed))
             if cfg.hf_baseline:
                 # The same group through Hugging Face generate: is the batched plain loop a fair baseline at B?
-                results, elapsed = generate_hf_batch(model, prompts, max_new_tokens=cfg.max_new_tokens,
+                results, elapsed = generate_hf_batch(verifier.model, prompts, max_new_tokens=cfg.max_new_tokens,
                                                      sampling=cfg.sampling(), stop_ids=stop_ids, seed=cfg.seed)
                 hf += results
                 hf_units.append((sum(len(r.tokens) for r in results), elapsed))

@@ -22,12 +22,10 @@ from tqdm.auto import tqdm
 
 from fledge.core.errors import ConfigError
 from fledge.data.template import stop_token_ids
-from fledge.decode.accept import seeded_generator
 from fledge.decode.drafters import EagleDrafter, HybridDrafter
-from fledge.decode.loop import decode_one
 from fledge.decode.proposals import Drafter, TreeShape
 from fledge.decode.result import ROUND_PARTS, DecodeResult
-from fledge.eval.batch_eval import evaluate_batched, plot_batch
+from fledge.eval.batch_eval import decode_rows, evaluate_batched, plot_batch
 from fledge.eval.breakdown import breakdown, first_tokens, plot_breakdown
 from fledge.eval.hf_baseline import generate_hf_batch
 from fledge.eval.metrics import (
@@ -221,11 +219,9 @@ def _run(
     verifier: Verifier, prompt_ids: torch.Tensor, drafter: Drafter | None, method: str, cfg: EvalConfig,
     stop_ids: frozenset[int], max_new_tokens: int,
 ) -> DecodeResult:
-    aux = drafter.aux_layer_ids if drafter is not None and drafter.needs_aux else None  # the draft's own
-    return decode_one(verifier.model, prompt_ids, drafter, method="plain" if drafter is None else method,
-                      num_draft_tokens=cfg.num_draft_tokens, shape=cfg.tree_shape(), max_new_tokens=max_new_tokens,
-                      sampling=cfg.sampling(), stop_ids=stop_ids, aux_layer_ids=aux,
-                      generator=seeded_generator(verifier.device, cfg.seed))
+    results, _ = decode_rows(verifier, [prompt_ids], None if drafter is None else [drafter], method, cfg, stop_ids,
+                             max_new_tokens)
+    return results[0]
 
 
 def _with_methods(drafters: dict[str, Drafter | None], cfg: EvalConfig) -> tuple[list[tuple[str, Drafter]],
