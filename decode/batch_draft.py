@@ -370,7 +370,7 @@ class BatchedHybrid(RowwiseBatch):
     needs_aux = True
 
     def __init__(self, drafters: list[HybridDrafter]):
-        self.rows = list(drafters)  # their lookups, and the counters the report reads
+        self.rows = list(drafters)  # their lookups, and their counters
         self.eagle = BatchedEagle(drafters[0].eagle)
         self.aux_layer_ids = self.eagle.aux_layer_ids
 

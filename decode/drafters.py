@@ -204,8 +204,7 @@ class EagleDrafter:
         """Chains stop before a position the draft is less sure of than this (``propose_chain_with``)."""
         self.rank_top_k = 0
         """Greedy chains also record the draft's top-k tokens per position (``ChainDraft.top_ids``) when > 0."""
-        weight = draft.fc.weight
-        self.device = weight.device
+        self.device = draft.fc.weight.device
         self.target_vocab_size = int(draft.config.vocab_size)
         draft_vocab = int(draft.config.draft_vocab_size)
         identity = draft_vocab == self.target_vocab_size and not bool(draft.d2t.any())

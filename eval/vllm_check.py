@@ -165,10 +165,8 @@ def run_phase(args: argparse.Namespace) -> None:
         if per_request is not None:
             record["spec_decode"] = per_request.to_dict()
         results.append(record)
-    metrics = {}
-    for m in llm.get_metrics():
-        if m.name in SPEC_METRICS:
-            metrics[m.name] = list(m.values) if hasattr(m, "values") else m.value
+    metrics = {m.name: list(m.values) if hasattr(m, "values") else m.value for m in llm.get_metrics()
+               if m.name in SPEC_METRICS}
     Path(args.phase_out).write_text(json.dumps({
         "outputs": results, "metrics": metrics, "load_seconds": load_s, "generate_seconds": gen_s,
         "engine_kwargs": {k: v for k, v in kwargs.items()},
