@@ -256,13 +256,6 @@ class BatchedEagle:
 
     # --- proposals -----------------------------------------------------------------------------------------------
 
-    def _root_logits(self) -> torch.Tensor:
-        logits = self.draft.logits(self.last_hidden[:, None])[:, 0].float()
-        for i, known in enumerate(self.has_context):
-            if not known:  # no verifier features yet: no opinion
-                logits[i] = 0
-        return logits
-
     def _expand(self, requests: list[tuple[list[int], torch.Tensor] | None]) -> list[tuple[torch.Tensor, list[int]]
                                                                                     | None]:
         """One draft forward for every row's request (``expand(parent_slots, tokens)`` of ``DraftStepper``)."""
@@ -342,16 +335,18 @@ class BatchedEagle:
     def _views(self) -> list[_RowView]:
         self.cache.crop(self.committed_width)
         self.slots = [_Slots() for _ in self.slots]
-        root = self._root_logits()
+        root = self.draft.logits(self.last_hidden[:, None])[:, 0].float()
+        for i, known in enumerate(self.has_context):
+            if not known:  # no verifier features yet: no opinion
+                root[i] = 0
         return [_RowView(self.draft_to_target, self.target_vocab_size, root[i]) for i in range(root.shape[0])]
 
     @torch.inference_mode()
     def propose_chains(self, lengths: list[int], sampling: SamplingParams,
                        generator: torch.Generator | None) -> list[ChainDraft]:
         views = self._views()
-        steps = [chain_steps(v, n, sampling, generator, self.min_prob, self.rank_top_k) if n > 0 else None
-                 for v, n in zip(views, lengths)]
-        found = self._drive(steps)
+        found = self._drive([chain_steps(v, n, sampling, generator, self.min_prob, self.rank_top_k) if n > 0 else None
+                             for v, n in zip(views, lengths)])
         return [c if c is not None else ChainDraft(tokens=torch.empty(0, dtype=torch.long), q=None) for c in found]
 
     @torch.inference_mode()

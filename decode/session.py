@@ -37,15 +37,6 @@ PAD = 0
 """The token id padding positions carry (never seen by a real position, so any id does)."""
 
 
-def sliding_window_of(model: nn.Module) -> int | None:
-    """The sliding window the model's own masks would apply (Mistral; Qwen only with use_sliding_window)."""
-    config = model.config
-    window = getattr(config, "sliding_window", None)
-    if window is None or getattr(config, "use_sliding_window", True) is False:
-        return None
-    return int(window)
-
-
 class VerifierSession:
     """The verifier's KV cache over the rows of a batch (see the module docstring); a context manager, since with
     ``aux_layer_ids`` the capture hooks stay installed for its lifetime."""
@@ -54,7 +45,10 @@ class VerifierSession:
         self.model = model
         self.device = model.get_input_embeddings().weight.device
         self.dtype = next(model.parameters()).dtype
-        self.window = sliding_window_of(model)
+        # The sliding window the model's own masks would apply (Mistral; Qwen only with use_sliding_window).
+        window = getattr(model.config, "sliding_window", None)
+        off = window is None or getattr(model.config, "use_sliding_window", True) is False
+        self.window = None if off else int(window)
         # No config: every layer is a plain DynamicLayer that keeps all positions, which ``commit`` relies on; a
         # sliding window is enforced by the masks (``_mask``, or the model's own on the batch-1 fast path).
         self.cache = DynamicCache()
@@ -77,11 +71,6 @@ class VerifierSession:
     def width(self) -> int:
         """Columns in the cache (the longest row's end)."""
         return self.cache.get_seq_length()
-
-    @property
-    def lengths(self) -> torch.Tensor:
-        """[B] committed positions per row."""
-        return self.ends - self.starts
 
     def _mask(self, visible_block: torch.Tensor, block_positions: torch.Tensor) -> torch.Tensor:
         """[B, 1, q, width + q] additive mask: committed columns of the row, then the block's own visibility."""
@@ -123,7 +112,7 @@ class VerifierSession:
                 sees, node_depth = _tree_visibility(parents[i].to(self.device))
                 depth[i, :n] = node_depth
                 visible[i, :n, :n] = sees
-        positions = self.lengths[:, None] + depth
+        positions = (self.ends - self.starts)[:, None] + depth  # after each row's committed positions
         out = self.model(input_ids=ids, position_ids=positions, attention_mask=self._mask(visible, positions),
                          use_cache=True, **{self._cache_kwarg: self.cache})
         return out.logits.to(self.device), self._aux() if self._captured is not None else None

@@ -375,22 +375,6 @@ def draft_vocab_coverage(named: list[tuple[str, Drafter]], plain: list[DecodeRes
     return float(proposable[torch.tensor(tokens)].float().mean())
 
 
-def first_token_breakdown(
-    verifier: Verifier, named: list[tuple[str, Drafter]], encoded: list[tuple[Any, torch.Tensor]],
-    plain: list[DecodeResult], cfg: EvalConfig,
-) -> dict[str, Any] | None:
-    """Where the first EAGLE-3 drafter's first token fails over plain decoding's answers (``eval/breakdown.py``,
-    the 2nd..k-th choices read at k = ``tree_top_k``); None without an EAGLE-3 drafter."""
-    eagle = _first_eagle(named)
-    if eagle is None:
-        return None
-    records = []
-    for (_, ids), result in tqdm(list(zip(encoded, plain)), desc="first-token breakdown", unit="prompt",
-                                 leave=False):
-        records += first_tokens(verifier.model, eagle, ids, result.tokens, cfg.tree_top_k)
-    return breakdown(records, cfg.tree_top_k)
-
-
 def _set_report(
     verifier: Verifier, named: list[tuple[str, Drafter]], encoded: list[tuple[Any, torch.Tensor]],
     plain: list[DecodeResult], cfg: EvalConfig, base: dict[str, Any], skipped: int = 0,
@@ -403,9 +387,14 @@ def _set_report(
     coverage = draft_vocab_coverage(named, plain)
     if coverage is not None:
         set_report["draft_vocab_coverage"] = coverage
-    first = first_token_breakdown(verifier, named, encoded, plain, cfg) if cfg.first_token else None
-    if first is not None:
-        set_report["first_token"] = first
+    eagle = _first_eagle(named)
+    if cfg.first_token and eagle is not None:
+        # The first EAGLE-3 drafter's first token over plain's answers, its 2nd..k-th choices read at k = tree_top_k.
+        records = []
+        for (_, ids), result in tqdm(list(zip(encoded, plain)), desc="first-token breakdown", unit="prompt",
+                                     leave=False):
+            records += first_tokens(verifier.model, eagle, ids, result.tokens, cfg.tree_top_k)
+        set_report["first_token"] = breakdown(records, cfg.tree_top_k)
     return set_report
 
 

@@ -375,10 +375,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.fledge_report:
         entry = fledge_tau(Path(args.fledge_report), args.fledge_set, args.fledge_drafter)
+        read = ("tau", "n_alpha", "num_draft", "rounds", "histogram", "tokens")
         summary["fledge"] = {"report": args.fledge_report, "set": args.fledge_set, "drafter": args.fledge_drafter,
-                             "tau": entry.get("tau"), "n_alpha": entry.get("n_alpha"),
-                             "num_draft": entry.get("num_draft"), "rounds": entry.get("rounds"),
-                             "histogram": entry.get("histogram"), "tokens": entry.get("tokens"),
+                             **{k: entry.get(k) for k in read},
                              "num_prompts": len(entry.get("per_prompt", [])) or None,
                              "greedy_match_rate": entry.get("greedy_match_rate"),
                              **fledge_rounds(entry, per_prompt)}
