@@ -224,15 +224,6 @@ def fledge_view(outputs: list[dict], k: int) -> dict:
     }
 
 
-def fledge_tau(report_path: Path, set_name: str, drafter: str) -> dict:
-    """τ and n-α of one drafter on one prompt set from a ``fledge eval`` report.json."""
-    report = json.loads(report_path.read_text())
-    entry = report.get("sets", {}).get(set_name, {}).get("drafters", {}).get(drafter)
-    if entry is None:
-        fail(f"{report_path} has no drafter {drafter!r} under set {set_name!r}")
-    return entry
-
-
 def fledge_rounds(entry: dict, per_prompt: list[dict]) -> dict:
     """From fledge's round-by-round record (``topk_rounds``: each prompt's output, accepted and proposed counts):
     whether fledge's outputs are vLLM's (plain, token for token), and fledge's τ without each prompt's first round
@@ -374,7 +365,11 @@ def main(argv: list[str] | None = None) -> int:
         "spec_tokens_per_s": sum(len(r["spec_ids"]) for r in per_prompt) / spec["generate_seconds"],
     }
     if args.fledge_report:
-        entry = fledge_tau(Path(args.fledge_report), args.fledge_set, args.fledge_drafter)
+        # τ and n-α of one drafter on one prompt set from a ``fledge eval`` report.json
+        report = json.loads(Path(args.fledge_report).read_text())
+        entry = report.get("sets", {}).get(args.fledge_set, {}).get("drafters", {}).get(args.fledge_drafter)
+        if entry is None:
+            fail(f"{args.fledge_report} has no drafter {args.fledge_drafter!r} under set {args.fledge_set!r}")
         read = ("tau", "n_alpha", "num_draft", "rounds", "histogram", "tokens")
         summary["fledge"] = {"report": args.fledge_report, "set": args.fledge_set, "drafter": args.fledge_drafter,
                              **{k: entry.get(k) for k in read},
