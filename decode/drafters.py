@@ -213,7 +213,6 @@ class EagleDrafter:
         )
 
     def fresh(self) -> EagleDrafter:
-        """The same draft and settings, for another row of a batch."""
         other = type(self)(self.draft, self.min_prob)
         other.rank_top_k = self.rank_top_k
         return other
@@ -294,7 +293,6 @@ class HybridDrafter:
 
     @property
     def observe_top_k(self) -> int:
-        """How many of the verifier's most likely next tokens per verified row ``observe`` wants (0: none)."""
         return 0 if self.recycle is None else self.recycle.k
 
     def observe(self, tokens: torch.Tensor, top_ids: torch.Tensor) -> None:

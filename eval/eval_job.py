@@ -91,7 +91,6 @@ def run(cfg: EvalJobConfig) -> dict[str, Any]:
     recycle = (cfg.recycle_table(verifier.tokenizer, int(verifier.model.config.vocab_size), verifier.fingerprint)
                if cfg.hybrid and cfg.draft is not None else None)
     for suffix, path in _draft_paths(cfg.draft).items():
-        # A training run / step folder or an exported serving checkpoint, in the verifier's dtype and device.
         drafter = cfg.eagle(load_eagle_drafter(path, verifier).draft)
         if cfg.draft_alone:
             drafters[f"eagle3{suffix}"] = drafter
