@@ -73,10 +73,6 @@ def _draft_paths(draft: str | None) -> dict[str, Path]:
     return jobs
 
 
-def _set_name(source: str) -> str:
-    return source if source == "mtbench" else Path(source).stem
-
-
 def run(cfg: EvalJobConfig) -> dict[str, Any]:
     if cfg.datastore_alone and cfg.hybrid_datastore is None:
         raise ConfigError("datastore_alone=true needs a datastore", fix="set hybrid_datastore=shipped")
@@ -106,7 +102,7 @@ def run(cfg: EvalJobConfig) -> dict[str, Any]:
         drafters["lookup+datastore"] = cfg.lookup(store)
     if not drafters:
         raise ConfigError("nothing to evaluate", fix="set draft=... or prompt_lookup=true")
-    prompt_sets = {_set_name(s): load_prompts(s) for s in cfg.prompts}
+    prompt_sets = {(s if s == "mtbench" else Path(s).stem): load_prompts(s) for s in cfg.prompts}
     def meta() -> dict[str, Any]:
         if store is None:
             return {"draft": draft_meta}
