@@ -37,6 +37,15 @@ PAD = 0
 """The token id padding positions carry (never seen by a real position, so any id does)."""
 
 
+def sliding_window_of(model: nn.Module) -> int | None:
+    """The sliding window the model's own masks would apply (Mistral; Qwen only with use_sliding_window)."""
+    config = model.config
+    window = getattr(config, "sliding_window", None)
+    if window is None or getattr(config, "use_sliding_window", True) is False:
+        return None
+    return int(window)
+
+
 class VerifierSession:
     """The verifier's KV cache over the rows of a batch (see the module docstring); a context manager, since with
     ``aux_layer_ids`` the capture hooks stay installed for its lifetime."""
@@ -45,10 +54,7 @@ class VerifierSession:
         self.model = model
         self.device = model.get_input_embeddings().weight.device
         self.dtype = next(model.parameters()).dtype
-        # The sliding window the model's own masks would apply (Mistral; Qwen only with use_sliding_window).
-        window = getattr(model.config, "sliding_window", None)
-        off = window is None or getattr(model.config, "use_sliding_window", True) is False
-        self.window = None if off else int(window)
+        self.window = sliding_window_of(model)
         # No config: every layer is a plain DynamicLayer that keeps all positions, which ``commit`` relies on; a
         # sliding window is enforced by the masks (``_mask``, or the model's own on the batch-1 fast path).
         self.cache = DynamicCache()
