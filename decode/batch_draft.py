@@ -42,25 +42,20 @@ class BatchDrafter(Protocol):
 
     def start(self, contexts: list[torch.Tensor], auxes: list[torch.Tensor | None]) -> None:
         """Row i's prompt ``contexts[i]`` [L_i] and the verifier's features of its positions 0..L_i-2 (or None)."""
-        ...
 
     def propose_chains(self, lengths: list[int], sampling: SamplingParams,
                        generator: torch.Generator | None) -> list[ChainDraft]:
         """Up to ``lengths[i]`` drafts for row i (0: none)."""
-        ...
 
     def propose_trees(self, shapes: list[TreeShape | None], sampling: SamplingParams,
                       generator: torch.Generator | None) -> list[DraftTree]:
         """A tree of ``shapes[i]`` for row i (None: an empty tree)."""
-        ...
 
     def advance(self, updates: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
         """Every row committed ``updates[i] = (tokens [n_i], aux [n_i, 3H] or None)``; speculation is forgotten."""
-        ...
 
     def keep_rows(self, rows: list[int]) -> None:
         """Only these rows (in order) stay."""
-        ...
 
     observe_top_k: int
     """How many of the verifier's most likely next tokens per verified row ``observe`` wants (0: no call)."""
@@ -68,7 +63,6 @@ class BatchDrafter(Protocol):
     def observe(self, blocks: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Row i's last verified block: ``(tokens [q_i], the verifier's top ids there [q_i, observe_top_k])``,
         before ``advance``."""
-        ...
 
 
 def batch_drafter(drafters: list[Drafter]) -> BatchDrafter:
@@ -124,14 +118,10 @@ class RowwiseBatch:
         return max((getattr(d, "observe_top_k", 0) for d in self.rows), default=0)
 
     def observe(self, blocks) -> None:
-        observe_rows(self.rows, blocks)
-
-
-def observe_rows(rows: list, blocks: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Hand each row's verified block to its drafter, where it wants one."""
-    for drafter, (tokens, top_ids) in zip(rows, blocks):
-        if getattr(drafter, "observe_top_k", 0):
-            drafter.observe(tokens, top_ids)
+        """Hand each row's verified block to its drafter, where it wants one."""
+        for drafter, (tokens, top_ids) in zip(self.rows, blocks):
+            if getattr(drafter, "observe_top_k", 0):
+                drafter.observe(tokens, top_ids)
 
 
 @dataclasses.dataclass
@@ -266,13 +256,6 @@ class BatchedEagle:
 
     # --- proposals -----------------------------------------------------------------------------------------------
 
-    def _root_logits(self) -> torch.Tensor:
-        logits = self.draft.logits(self.last_hidden[:, None])[:, 0].float()
-        for i, known in enumerate(self.has_context):
-            if not known:  # no verifier features yet: no opinion
-                logits[i] = 0
-        return logits
-
     def _expand(self, requests: list[tuple[list[int], torch.Tensor] | None]) -> list[tuple[torch.Tensor, list[int]]
                                                                                     | None]:
         """One draft forward for every row's request (``expand(parent_slots, tokens)`` of ``DraftStepper``)."""
@@ -352,16 +335,18 @@ class BatchedEagle:
     def _views(self) -> list[_RowView]:
         self.cache.crop(self.committed_width)
         self.slots = [_Slots() for _ in self.slots]
-        root = self._root_logits()
+        root = self.draft.logits(self.last_hidden[:, None])[:, 0].float()
+        for i, known in enumerate(self.has_context):
+            if not known:  # no verifier features yet: no opinion
+                root[i] = 0
         return [_RowView(self.draft_to_target, self.target_vocab_size, root[i]) for i in range(root.shape[0])]
 
     @torch.inference_mode()
     def propose_chains(self, lengths: list[int], sampling: SamplingParams,
                        generator: torch.Generator | None) -> list[ChainDraft]:
         views = self._views()
-        steps = [chain_steps(v, n, sampling, generator, self.min_prob, self.rank_top_k) if n > 0 else None
-                 for v, n in zip(views, lengths)]
-        found = self._drive(steps)
+        found = self._drive([chain_steps(v, n, sampling, generator, self.min_prob, self.rank_top_k) if n > 0 else None
+                             for v, n in zip(views, lengths)])
         return [c if c is not None else ChainDraft(tokens=torch.empty(0, dtype=torch.long), q=None) for c in found]
 
     @torch.inference_mode()
@@ -373,13 +358,14 @@ class BatchedEagle:
         return [t if t is not None else empty_tree() for t in found]
 
 
-class BatchedHybrid:
-    """``HybridDrafter`` over a batch: prompt lookup per row, the EAGLE-3 draft batched (``BatchedEagle``)."""
+class BatchedHybrid(RowwiseBatch):
+    """``HybridDrafter`` over a batch: prompt lookup per row, the EAGLE-3 draft batched (``BatchedEagle``); the rows
+    observe as ``RowwiseBatch``'s do."""
 
     needs_aux = True
 
     def __init__(self, drafters: list[HybridDrafter]):
-        self.rows = list(drafters)  # their lookups, and the counters the report reads
+        self.rows = list(drafters)  # their lookups, and their counters
         self.eagle = BatchedEagle(drafters[0].eagle)
         self.aux_layer_ids = self.eagle.aux_layer_ids
 
@@ -418,6 +404,3 @@ class BatchedHybrid:
     @property
     def observe_top_k(self) -> int:
         return self.rows[0].observe_top_k if self.rows else 0
-
-    def observe(self, blocks) -> None:
-        observe_rows(self.rows, blocks)

@@ -204,8 +204,7 @@ class EagleDrafter:
         """Chains stop before a position the draft is less sure of than this (``propose_chain_with``)."""
         self.rank_top_k = 0
         """Greedy chains also record the draft's top-k tokens per position (``ChainDraft.top_ids``) when > 0."""
-        weight = draft.fc.weight
-        self.device = weight.device
+        self.device = draft.fc.weight.device
         self.target_vocab_size = int(draft.config.vocab_size)
         draft_vocab = int(draft.config.draft_vocab_size)
         identity = draft_vocab == self.target_vocab_size and not bool(draft.d2t.any())
@@ -214,7 +213,6 @@ class EagleDrafter:
         )
 
     def fresh(self) -> EagleDrafter:
-        """The same draft and settings, for another row of a batch."""
         other = type(self)(self.draft, self.min_prob)
         other.rank_top_k = self.rank_top_k
         return other
@@ -247,14 +245,11 @@ class HybridDrafter:
 
     def __init__(self, eagle: Drafter, lookup: PromptLookupDrafter, draft_tokens: int = 0, extend: int = 0,
                  lookup_nodes: int = 0, recycle: RecycleTable | None = None, budget: int = 0):
-        if lookup_nodes < 0:
-            raise ConfigError(f"hybrid lookup_nodes must be >= 0 (0: off), got {lookup_nodes}")
-        if draft_tokens < 0:
-            raise ConfigError(f"hybrid draft_tokens must be >= 0 (0: the chain's length), got {draft_tokens}")
-        if extend < 0:
-            raise ConfigError(f"hybrid extend must be >= 0 (0: off), got {extend}")
-        if budget < 0:
-            raise ConfigError(f"hybrid budget must be >= 0 (0: every candidate), got {budget}")
+        settings = (("lookup_nodes", lookup_nodes, "off"), ("draft_tokens", draft_tokens, "the chain's length"),
+                    ("extend", extend, "off"), ("budget", budget, "every candidate"))
+        for key, value, zero in settings:
+            if value < 0:
+                raise ConfigError(f"hybrid {key} must be >= 0 (0: {zero}), got {value}")
         self.eagle = eagle
         self.lookup = lookup
         self.draft_tokens = draft_tokens
@@ -298,7 +293,6 @@ class HybridDrafter:
 
     @property
     def observe_top_k(self) -> int:
-        """How many of the verifier's most likely next tokens per verified row ``observe`` wants (0: none)."""
         return 0 if self.recycle is None else self.recycle.k
 
     def observe(self, tokens: torch.Tensor, top_ids: torch.Tensor) -> None:

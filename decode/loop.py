@@ -103,23 +103,20 @@ def generate(
                 logits, aux = session.forward([torch.tensor([roots[r]]) for r in active])
                 timer.lap("verify")
                 outcomes = _plain_outcomes(logits, len(active), sampling, generator)
-            elif method == "chain":
-                drafts = batch.propose_chains([min(num_draft_tokens, b) for b in budgets], sampling, generator)
+            else:
+                if method == "chain":
+                    drafts = batch.propose_chains([min(num_draft_tokens, b) for b in budgets], sampling, generator)
+                else:
+                    drafts = batch.propose_trees([shape.capped(b) if b > 0 else None for b in budgets], sampling,
+                                                 generator)
                 timer.lap("draft")
                 inputs = [torch.cat([torch.tensor([roots[r]]), d.tokens.cpu()]) for r, d in zip(active, drafts)]
                 timer.lap("other")
-                logits, aux = session.forward(inputs)
+                logits, aux = session.forward(inputs, [d.parents for d in drafts] if method == "tree" else None)
                 timer.lap("verify")
-                outcomes = [_chain_outcome(logits[i], d, sampling, generator, results[r])
+                outcomes = [_chain_outcome(logits[i], d, sampling, generator, results[r]) if method == "chain"
+                            else _tree_outcome(logits[i], d, sampling, generator)
                             for i, (r, d) in enumerate(zip(active, drafts))]
-            else:
-                trees = batch.propose_trees([shape.capped(b) if b > 0 else None for b in budgets], sampling, generator)
-                timer.lap("draft")
-                inputs = [torch.cat([torch.tensor([roots[r]]), t.tokens.cpu()]) for r, t in zip(active, trees)]
-                timer.lap("other")
-                logits, aux = session.forward(inputs, [t.parents for t in trees])
-                timer.lap("verify")
-                outcomes = [_tree_outcome(logits[i], t, sampling, generator) for i, t in enumerate(trees)]
             timer.lap("accept")
             if method == "tree" and batch.observe_top_k:
                 # The verifier's most likely next tokens at every checked row, root and nodes alike (token
@@ -215,5 +212,3 @@ def topk_ranks(predicted: torch.Tensor, top_ids: torch.Tensor, accepted: int) ->
     ranks = torch.where(hits.any(dim=1), hits.int().argmax(dim=1), torch.full((reached,), k, device=hits.device))
     return list(enumerate(ranks.tolist(), start=1))
 
-
-__all__ = ["METHODS", "decode_one", "generate", "topk_ranks"]

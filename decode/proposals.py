@@ -97,10 +97,14 @@ class DraftTree:
         """The proposal distribution at tree row ``row`` over the verifier's vocabulary, or None."""
         if self.q is None or self.q_rows[row] < 0:
             return None
-        q = self.q[self.q_rows[row]]
-        if self.draft_to_target is None:
-            return q
-        return torch.zeros(vocab_size, dtype=q.dtype, device=q.device).index_copy_(0, self.draft_to_target, q)
+        return _q_to_target(self.q[self.q_rows[row]], self.draft_to_target, vocab_size)
+
+
+def _q_to_target(q: torch.Tensor, draft_to_target: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """Draft distributions [..., Vd] over the verifier's vocabulary [..., V] (zero outside the draft vocabulary)."""
+    if draft_to_target is None:
+        return q
+    return q.new_zeros(*q.shape[:-1], vocab_size).index_copy_(q.dim() - 1, draft_to_target, q)
 
 
 class DraftStepper(Protocol):
@@ -114,12 +118,10 @@ class DraftStepper(Protocol):
 
     def root_logits(self) -> torch.Tensor:
         """[Vd] logits for the token after the newest committed token."""
-        ...
 
     def expand(self, parent_slots: list[int], tokens: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """Feed ``tokens`` [k] (verifier ids), each as the child of ``parent_slots[i]``; returns the logits [k, Vd]
         for each one's next token and the new slots. A node sees the committed context and its own ancestors only."""
-        ...
 
 
 class Drafter(Protocol):
@@ -132,17 +134,14 @@ class Drafter(Protocol):
 
     def fresh(self) -> Drafter:
         """Another drafter with the same settings (and weights) but its own state: one per row of a batch."""
-        ...
 
     def start(self, context: torch.Tensor, aux: torch.Tensor | None) -> None:
         """A new sequence: ``context`` [L] committed tokens; ``aux`` [L-1, 3H] the verifier's features of
         positions 0..L-2 (row t pairs with token t+1)."""
-        ...
 
     def advance(self, new_tokens: torch.Tensor, aux: torch.Tensor | None) -> None:
         """``new_tokens`` [n] were committed; ``aux`` [n, 3H] are the verifier's features of the positions right
         before each of them. Forgets everything speculative from the last proposal."""
-        ...
 
     def propose_chain(
         self, n: int, sampling: SamplingParams, generator: torch.Generator | None
@@ -216,17 +215,9 @@ def chain_steps(
             qs.append(q)
     if not draft_ids:
         return ChainDraft(tokens=torch.empty(0, dtype=torch.long), q=None)
-    tokens = _to_target(stepper, torch.cat(draft_ids))
-    q_target = None
-    if qs:
-        q_draft = torch.stack(qs)
-        if stepper.draft_to_target is None:
-            q_target = q_draft
-        else:
-            q_target = q_draft.new_zeros(len(qs), stepper.target_vocab_size)
-            q_target.index_copy_(1, stepper.draft_to_target, q_draft)
+    q = _q_to_target(torch.stack(qs), stepper.draft_to_target, stepper.target_vocab_size) if qs else None
     top_ids = _to_target(stepper, torch.stack(tops)) if tops else None
-    return ChainDraft(tokens=tokens, q=q_target, top_ids=top_ids)
+    return ChainDraft(tokens=_to_target(stepper, torch.cat(draft_ids)), q=q, top_ids=top_ids)
 
 
 def _children(

@@ -78,11 +78,6 @@ class VerifierSession:
         """Columns in the cache (the longest row's end)."""
         return self.cache.get_seq_length()
 
-    @property
-    def lengths(self) -> torch.Tensor:
-        """[B] committed positions per row."""
-        return self.ends - self.starts
-
     def _mask(self, visible_block: torch.Tensor, block_positions: torch.Tensor) -> torch.Tensor:
         """[B, 1, q, width + q] additive mask: committed columns of the row, then the block's own visibility."""
         batch, q = block_positions.shape
@@ -123,7 +118,7 @@ class VerifierSession:
                 sees, node_depth = _tree_visibility(parents[i].to(self.device))
                 depth[i, :n] = node_depth
                 visible[i, :n, :n] = sees
-        positions = self.lengths[:, None] + depth
+        positions = (self.ends - self.starts)[:, None] + depth  # after each row's committed positions
         out = self.model(input_ids=ids, position_ids=positions, attention_mask=self._mask(visible, positions),
                          use_cache=True, **{self._cache_kwarg: self.cache})
         return out.logits.to(self.device), self._aux() if self._captured is not None else None
@@ -155,13 +150,10 @@ class VerifierSession:
         cols = torch.arange(longest, device=self.device)
         keys = cols[None, :] >= self.starts[:, None]  # [B, longest]
         sees = keys[:, None, :] & (cols[None, :, None] >= cols[None, None, :])  # causal, real keys only
-        if self.window is not None:  # the model's own rule: key visible iff query - key < window
-            sees &= (cols[None, :, None] - cols[None, None, :]) < self.window
         sees |= torch.eye(longest, dtype=torch.bool, device=self.device)[None]  # padding rows see themselves
-        mask = torch.zeros(len(prompts), 1, longest, longest, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~sees[:, None], torch.finfo(self.dtype).min)
         positions = (cols[None, :] - self.starts[:, None]).clamp_min(0)
-        self.model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
+        # The cache is empty: ``_mask`` adds no committed column, only the sliding window (within the prompt).
+        self.model(input_ids=ids, position_ids=positions, attention_mask=self._mask(sees, positions), use_cache=True,
                    logits_to_keep=1, **{self._cache_kwarg: self.cache})
         if self._captured is None:
             return [None] * len(prompts)

@@ -16,7 +16,6 @@ The EAGLE-3 draft (alone or in the hybrid) proposes for every row in one batched
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,8 @@ from fledge.decode.loop import generate
 from fledge.decode.proposals import Drafter
 from fledge.decode.result import DecodeResult
 from fledge.eval.hf_baseline import generate_hf_batch
-from fledge.eval.metrics import acceptance_entry, bootstrap_interval, compare_with_reference, median
+from fledge.eval.metrics import acceptance_entry, bootstrap_interval, compare_with_reference, median, throughput
+from fledge.eval.ties import TieJudge, greedy_outcome
 from fledge.models.verifier import Verifier
 
 
@@ -46,6 +46,19 @@ def _group_speedup(groups: list[tuple[int, float, int, float]]) -> tuple[float, 
     return pooled(groups), [lo, hi]
 
 
+def decode_rows(
+    verifier: Verifier, prompts: list[torch.Tensor], rows: list[Drafter] | None, method: str | None, cfg: Any,
+    stop_ids: frozenset[int], max_new_tokens: int,
+) -> tuple[list[DecodeResult], float]:
+    """``generate`` as every evaluation runs it: the prompts with one drafter each (``rows``; None: plain decoding),
+    the evaluation's sampling, draft shapes and seed, capturing the verifier states the drafters read."""
+    aux = rows[0].aux_layer_ids if rows is not None and rows[0].needs_aux else None  # the draft's own
+    return generate(verifier.model, prompts, rows, method="plain" if rows is None else method,
+                    num_draft_tokens=cfg.num_draft_tokens, shape=cfg.tree_shape(), max_new_tokens=max_new_tokens,
+                    sampling=cfg.sampling(), stop_ids=stop_ids, aux_layer_ids=aux,
+                    generator=seeded_generator(verifier.device, cfg.seed))
+
+
 def evaluate_batched(
     verifier: Verifier,
     encoded: list[tuple[Any, torch.Tensor]],
@@ -53,97 +66,72 @@ def evaluate_batched(
     methods: dict[str, str],
     cfg: Any,
     stop_ids: frozenset[int],
-    outcome: Any,
-    on_plain: Callable[[list[DecodeResult]], Any] | None = None,
-) -> dict[str, dict[str, Any]]:
-    """{str(B): {"plain": {...}, "drafters": {name: entry}}} for one prompt set. ``outcome(results, plain)`` gives
-    the greedy exactness fields (None when sampling); ``on_plain`` is handed each batch size's plain answers, in
-    prompt order."""
-    model = verifier.model
-    common = dict(sampling=cfg.sampling(), stop_ids=stop_ids, num_draft_tokens=cfg.num_draft_tokens,
-                  shape=cfg.tree_shape())
+    judge: TieJudge | None,
+) -> tuple[dict[str, dict[str, Any]], list[DecodeResult]]:
+    """{str(B): {"plain": {...}, "drafters": {name: entry}}} for one prompt set, and the smallest batch size's plain
+    answers in prompt order. With ``judge`` (greedy), each drafter's rows are checked against plain's
+    (``greedy_outcome``)."""
     out: dict[str, dict[str, Any]] = {}
+    first_plain: list[DecodeResult] = []
     for size in cfg.batch_sizes():
         groups = [encoded[i : i + size] for i in range(0, len(encoded), size)]
 
         def run(prompts: list[torch.Tensor], name: str | None, max_new_tokens: int) -> tuple[list[DecodeResult], float]:
             drafter = dict(drafters).get(name) if name else None
             rows = None if drafter is None else [drafter.fresh() for _ in prompts]
-            aux = drafter.aux_layer_ids if drafter is not None and drafter.needs_aux else None
-            return generate(model, prompts, rows, method=methods.get(name, "plain") if name else "plain",
-                                  max_new_tokens=max_new_tokens, aux_layer_ids=aux,
-                                  generator=seeded_generator(verifier.device, cfg.seed), **common)
+            return decode_rows(verifier, prompts, rows, methods.get(name), cfg, stop_ids, max_new_tokens)
 
         if cfg.warmup_tokens:
             first = [ids for _, ids in groups[0]]
             for name in [None, *(n for n, _ in drafters)]:
                 run(first, name, cfg.warmup_tokens)
         plain: list[DecodeResult] = []
-        plain_seconds: list[float] = []
         hf: list[DecodeResult] = []
-        hf_seconds: list[float] = []
         rows: dict[str, list[DecodeResult]] = {name: [] for name, _ in drafters}
-        seconds: dict[str, list[float]] = {name: [] for name, _ in drafters}
+        # (tokens, seconds) per group: plain's, generate's and each drafter's
+        plain_units: list[tuple[int, float]] = []
+        hf_units: list[tuple[int, float]] = []
+        units: dict[str, list[tuple[int, float]]] = {name: [] for name, _ in drafters}
         bar = tqdm(total=len(encoded) * (1 + len(drafters)), desc=f"eval batch {size}", unit="decode")
         for group in groups:
             prompts = [ids for _, ids in group]
             results, elapsed = run(prompts, None, cfg.max_new_tokens)
             plain += results
-            plain_seconds.append(elapsed)
+            plain_units.append((sum(len(r.tokens) for r in results), elapsed))
             if cfg.hf_baseline:
                 # The same group through Hugging Face generate: is the batched plain loop a fair baseline at B?
-                results, elapsed = generate_hf_batch(model, prompts, max_new_tokens=cfg.max_new_tokens,
+                results, elapsed = generate_hf_batch(verifier.model, prompts, max_new_tokens=cfg.max_new_tokens,
                                                      sampling=cfg.sampling(), stop_ids=stop_ids, seed=cfg.seed)
                 hf += results
-                hf_seconds.append(elapsed)
+                hf_units.append((sum(len(r.tokens) for r in results), elapsed))
             bar.update(len(prompts))
             for name, _ in drafters:
                 results, elapsed = run(prompts, name, cfg.max_new_tokens)
                 rows[name] += results
-                seconds[name].append(elapsed)
+                units[name].append((sum(len(r.tokens) for r in results), elapsed))
                 bar.update(len(prompts))
         bar.close()
-        if on_plain is not None:
-            on_plain(plain)
-        plain_tokens = sum(len(r.tokens) for r in plain)
-        entry: dict[str, Any] = {
-            "batch_size": size,
-            "groups": len(groups),
-            "plain": {"tokens": plain_tokens, "seconds": sum(plain_seconds),
-                      "tokens_per_s": plain_tokens / sum(plain_seconds) if sum(plain_seconds) else 0.0},
-            "drafters": {},
-        }
+        first_plain = first_plain or plain
+        entry: dict[str, Any] = {"batch_size": size, "groups": len(groups), "plain": throughput(plain_units),
+                                 "drafters": {}}
         if hf:
-            hf_tokens = sum(len(r.tokens) for r in hf)
-            entry["plain"]["hf_generate"] = {"tokens": hf_tokens, "seconds": sum(hf_seconds),
-                                             "tokens_per_s": hf_tokens / sum(hf_seconds) if sum(hf_seconds) else 0.0}
+            entry["plain"]["hf_generate"] = throughput(hf_units)
             if cfg.sampling().greedy:
                 entry["plain"]["hf_generate"]["same_tokens_rate"] = sum(
                     p.tokens == h.tokens for p, h in zip(plain, hf)) / len(hf)
             hf_rate = entry["plain"]["hf_generate"]["tokens_per_s"]
             # fledge's batched plain tokens/s over generate's at the same B: below 1, generate is the faster baseline.
             entry["plain"]["baseline_vs_hf"] = entry["plain"]["tokens_per_s"] / hf_rate if hf_rate else math.nan
-        group_plain = [(sum(len(r.tokens) for r in plain[i * size : (i + 1) * size]), plain_seconds[i])
-                       for i in range(len(groups))]
-        if hf:
             # Speed-ups divide by the faster of the two baselines, group by group, as at batch 1.
-            group_hf = [(sum(len(r.tokens) for r in hf[i * size : (i + 1) * size]), hf_seconds[i])
-                        for i in range(len(groups))]
-            group_plain = [p if not h[1] or (p[1] and p[0] / p[1] >= h[0] / h[1]) else h
-                           for p, h in zip(group_plain, group_hf)]
-        units: dict[str, list[tuple[int, float]]] = {}  # (tokens, seconds) per group, to pair with prompt lookup's
+            plain_units = [p if not h[1] or (p[1] and p[0] / p[1] >= h[0] / h[1]) else h
+                           for p, h in zip(plain_units, hf_units)]
         for name, _ in drafters:
             results = rows[name]
             d, _, per_prompt_tau = acceptance_entry(results, methods[name], cfg.num_draft_tokens, cfg.tree_depth)
-            tokens = sum(len(r.tokens) for r in results)
-            per_group = [(sum(len(r.tokens) for r in results[i * size : (i + 1) * size]), seconds[name][i], *gp)
-                         for i, gp in enumerate(group_plain)]
-            units[name] = [(g[0], g[1]) for g in per_group]
+            per_group = [(*u, *p) for u, p in zip(units[name], plain_units)]
             speedup, interval = _group_speedup(per_group)
             group_speedups = [_group_speedup([g])[0] for g in per_group]
-            d.update(tokens=tokens, seconds=sum(seconds[name]),
-                     tokens_per_s=tokens / sum(seconds[name]) if sum(seconds[name]) else 0.0,
-                     speedup=speedup, speedup_interval=interval,
+            d.update(**throughput(units[name]), speedup=speedup, speedup_interval=interval,
                      median_group_speedup=median([x for x in group_speedups if not math.isnan(x)]),
                      # Per prompt as at batch 1 (``fledge sweep compare`` pairs them): its rounds, and the speed-up
                      # of the group it was decoded in (a row of a batch has no time of its own).
@@ -151,13 +139,12 @@ def evaluate_batched(
                                   "speedup": group_speedups[i // size], "group": i // size}
                                  for i, ((pid, _), r, (committed, rounds)) in
                                  enumerate(zip(encoded, results, per_prompt_tau))])
-            greedy = outcome(results, plain)
-            if greedy is not None:
-                d.update(greedy)
+            if judge is not None:
+                d.update(greedy_outcome(judge, encoded, results, plain, cfg.recheck))
             entry["drafters"][name] = d
         compare_with_reference(entry["drafters"], units)
         out[str(size)] = entry
-    return out
+    return out, first_plain
 
 
 def batch_table(report: dict[str, Any]) -> list[str]:

@@ -116,14 +116,6 @@ def first_tokens(
             for j, (p, r, v) in enumerate(zip(top_prob.tolist(), ranks.tolist(), in_vocab.tolist()))]
 
 
-def _bin_label(edges: Sequence[float], i: int, open_end: bool) -> str:
-    lo, hi = edges[i], edges[i + 1] if i + 1 < len(edges) else math.inf
-    if hi == math.inf:
-        return f"{lo:g}+"
-    closed = "]" if (not open_end and i + 2 == len(edges)) else ")"
-    return f"[{lo:g}, {hi:g}{closed}"
-
-
 def _binned(records: list[FirstToken], key: str, edges: Sequence[float], open_end: bool) -> list[dict[str, Any]]:
     bins = len(edges) if open_end else len(edges) - 1
     rows = []
@@ -133,7 +125,8 @@ def _binned(records: list[FirstToken], key: str, edges: Sequence[float], open_en
         last = i == bins - 1
         inside = [r for r in records
                   if lo <= getattr(r, key) and (getattr(r, key) < hi or (last and getattr(r, key) <= hi))]
-        rows.append({"bin": _bin_label(edges, i, open_end), "positions": len(inside),
+        label = f"{lo:g}+" if hi == math.inf else f"[{lo:g}, {hi:g}" + ("]" if last and not open_end else ")")
+        rows.append({"bin": label, "positions": len(inside),
                      "share": len(inside) / len(records) if records else 0.0,
                      "agreement": sum(r.rank == 0 for r in inside) / len(inside) if inside else None,
                      "among_top_k": sum(r.rank < r.top_k for r in inside) / len(inside) if inside else None})

@@ -73,10 +73,6 @@ def _draft_paths(draft: str | None) -> dict[str, Path]:
     return jobs
 
 
-def _set_name(source: str) -> str:
-    return source if source == "mtbench" else Path(source).stem
-
-
 def run(cfg: EvalJobConfig) -> dict[str, Any]:
     if cfg.datastore_alone and cfg.hybrid_datastore is None:
         raise ConfigError("datastore_alone=true needs a datastore", fix="set hybrid_datastore=shipped")
@@ -91,7 +87,6 @@ def run(cfg: EvalJobConfig) -> dict[str, Any]:
     recycle = (cfg.recycle_table(verifier.tokenizer, int(verifier.model.config.vocab_size), verifier.fingerprint)
                if cfg.hybrid and cfg.draft is not None else None)
     for suffix, path in _draft_paths(cfg.draft).items():
-        # A training run / step folder or an exported serving checkpoint, in the verifier's dtype and device.
         drafter = cfg.eagle(load_eagle_drafter(path, verifier).draft)
         if cfg.draft_alone:
             drafters[f"eagle3{suffix}"] = drafter
@@ -107,7 +102,7 @@ def run(cfg: EvalJobConfig) -> dict[str, Any]:
         drafters["lookup+datastore"] = cfg.lookup(store)
     if not drafters:
         raise ConfigError("nothing to evaluate", fix="set draft=... or prompt_lookup=true")
-    prompt_sets = {_set_name(s): load_prompts(s) for s in cfg.prompts}
+    prompt_sets = {(s if s == "mtbench" else Path(s).stem): load_prompts(s) for s in cfg.prompts}
     def meta() -> dict[str, Any]:
         if store is None:
             return {"draft": draft_meta}

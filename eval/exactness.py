@@ -188,20 +188,12 @@ def tiny_verifier(
         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         tie_word_embeddings=False,
     )
-    if kind == "llama":
-        config = transformers.LlamaConfig(**common)
-        model = transformers.LlamaForCausalLM(config)
-    elif kind == "qwen2":
-        config = transformers.Qwen2Config(**common)
-        model = transformers.Qwen2ForCausalLM(config)
-    elif kind == "qwen3":
-        config = transformers.Qwen3Config(**common, head_dim=hidden_size // 4)
-        model = transformers.Qwen3ForCausalLM(config)
-    elif kind == "mistral":
-        config = transformers.MistralConfig(**common, sliding_window=sliding_window)
-        model = transformers.MistralForCausalLM(config)
-    else:
+    kinds = {"llama": ("Llama", {}), "qwen2": ("Qwen2", {}), "qwen3": ("Qwen3", {"head_dim": hidden_size // 4}),
+             "mistral": ("Mistral", {"sliding_window": sliding_window})}
+    if kind not in kinds:
         raise ValueError(f"unknown tiny verifier kind {kind!r}")
+    prefix, extra = kinds[kind]
+    model = getattr(transformers, f"{prefix}ForCausalLM")(getattr(transformers, f"{prefix}Config")(**common, **extra))
     with torch.no_grad():
         model.lm_head.weight.mul_(peak)
     return model.eval().requires_grad_(False)

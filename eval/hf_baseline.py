@@ -15,48 +15,21 @@ from fledge.decode.result import DecodeResult, clock, stop_index
 from fledge.models.sampling import SamplingParams
 
 
-def _generation_config(max_new_tokens: int, sampling: SamplingParams, stop_ids: frozenset[int],
-                       pad: int | None = None):
+def _generation_config(max_new_tokens: int, sampling: SamplingParams, stop_ids: frozenset[int], pad: int):
     """A fresh generation config (none of the checkpoint's own defaults, such as a repetition penalty, that plain
     decoding does not apply): the same sampling, stops and length as fledge's loops."""
     from transformers import GenerationConfig
 
-    stops = sorted(stop_ids)
     return GenerationConfig(
         max_new_tokens=max_new_tokens,
         do_sample=not sampling.greedy,
         temperature=sampling.temperature if not sampling.greedy else 1.0,
         top_k=sampling.top_k or None,
         top_p=sampling.top_p,
-        eos_token_id=stops or None,
-        pad_token_id=pad if pad is not None else (stops[0] if stops else None),
+        eos_token_id=sorted(stop_ids) or None,
+        pad_token_id=pad,
         use_cache=True,
     )
-
-
-@torch.inference_mode()
-def generate_hf(
-    model: nn.Module,
-    prompt_ids: torch.Tensor,
-    *,
-    max_new_tokens: int,
-    sampling: SamplingParams = SamplingParams(),
-    stop_ids: frozenset[int] = frozenset(),
-    seed: int = 0,
-) -> DecodeResult:
-    """Decode with ``model.generate`` under a fresh generation config (none of the checkpoint's own defaults, such
-    as a repetition penalty, that plain decoding does not apply); tokens cut as the other loops cut them."""
-    device = model.get_input_embeddings().weight.device
-    config = _generation_config(max_new_tokens, sampling, stop_ids)
-    ids = prompt_ids.to(device).view(1, -1)
-    if not sampling.greedy:
-        torch.manual_seed(seed)  # generate samples from torch's global generator
-    start = clock(device)
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
-    seconds = clock(device) - start
-    tokens = out[0, ids.shape[1] :].tolist()
-    tokens = tokens[: stop_index(tokens, stop_ids, max_new_tokens)]
-    return DecodeResult(tokens=tokens, seconds=seconds)
 
 
 @torch.inference_mode()
@@ -69,11 +42,10 @@ def generate_hf_batch(
     stop_ids: frozenset[int] = frozenset(),
     seed: int = 0,
 ) -> tuple[list[DecodeResult], float]:
-    """``model.generate`` over the prompts as one left-padded batch, as fledge's batched plain loop decodes them:
-    each row's tokens (cut as the other loops cut them) and the batch's wall time."""
+    """``model.generate`` over the prompts as one left-padded batch, as fledge's batched plain loop decodes them
+    (batch 1: one prompt alone): each row's tokens (cut as the other loops cut them) and the batch's wall time."""
     device = model.get_input_embeddings().weight.device
-    stops = sorted(stop_ids)
-    pad = stops[0] if stops else 0
+    pad = min(stop_ids, default=0)
     config = _generation_config(max_new_tokens, sampling, stop_ids, pad)
     longest = max(int(p.numel()) for p in prompts)
     ids = torch.full((len(prompts), longest), pad, dtype=torch.long)
@@ -81,10 +53,11 @@ def generate_hf_batch(
     for i, p in enumerate(prompts):
         ids[i, longest - p.numel():] = p.cpu()
         mask[i, longest - p.numel():] = 1
+    ids, mask = ids.to(device), mask.to(device)
     if not sampling.greedy:
-        torch.manual_seed(seed)
+        torch.manual_seed(seed)  # generate samples from torch's global generator
     start = clock(device)
-    out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config)
+    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
     seconds = clock(device) - start
     results = []
     for row in out[:, longest:].tolist():

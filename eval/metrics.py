@@ -212,6 +212,12 @@ def compare_with_reference(entries: dict[str, dict], units: dict[str, Sequence[t
             entries[name][f"vs_{REFERENCE_DRAFTER}"] = {"throughput_ratio": ratio, "interval": [lo, hi]}
 
 
+def throughput(units: Sequence[tuple[int, float]]) -> dict[str, Any]:
+    """``{tokens, seconds, tokens_per_s}`` pooled over (tokens, seconds) units: prompts, or groups of them."""
+    tokens, seconds = sum(t for t, _ in units), sum(s for _, s in units)
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds if seconds else 0.0}
+
+
 def pooled_tau(per_prompt: Sequence[tuple[int, int]]) -> float:
     """τ of several prompts together from (committed tokens, verifier calls) per prompt: all tokens / all calls."""
     calls = sum(c for _, c in per_prompt)

@@ -22,14 +22,12 @@ from tqdm.auto import tqdm
 
 from fledge.core.errors import ConfigError
 from fledge.data.template import stop_token_ids
-from fledge.decode.accept import seeded_generator
 from fledge.decode.drafters import EagleDrafter, HybridDrafter
-from fledge.decode.loop import decode_one
 from fledge.decode.proposals import Drafter, TreeShape
 from fledge.decode.result import ROUND_PARTS, DecodeResult
-from fledge.eval.batch_eval import evaluate_batched, plot_batch
+from fledge.eval.batch_eval import decode_rows, evaluate_batched, plot_batch
 from fledge.eval.breakdown import breakdown, first_tokens, plot_breakdown
-from fledge.eval.hf_baseline import generate_hf
+from fledge.eval.hf_baseline import generate_hf_batch
 from fledge.eval.metrics import (
     REFERENCE_DRAFTER,
     acceptance_entry,
@@ -37,11 +35,12 @@ from fledge.eval.metrics import (
     compare_with_reference,
     median,
     predicted_speedup,
+    throughput,
     topk_acceptance,
 )
 from fledge.eval.report import REPORT_FILE, REPORT_FORMAT, EvalReport
 from fledge.eval.summary import one_line, plot_acceptance
-from fledge.eval.ties import DEFAULT_TIE_TOLERANCE, TieJudge, recheck_summary
+from fledge.eval.ties import DEFAULT_TIE_TOLERANCE, TieJudge, greedy_outcome, recheck_summary
 from fledge.eval.tune import CostModel, measure_verify_cost
 from fledge.models.draft import Eagle3Config
 from fledge.models.draft_folder import load_draft
@@ -220,11 +219,9 @@ def _run(
     verifier: Verifier, prompt_ids: torch.Tensor, drafter: Drafter | None, method: str, cfg: EvalConfig,
     stop_ids: frozenset[int], max_new_tokens: int,
 ) -> DecodeResult:
-    aux = drafter.aux_layer_ids if drafter is not None and drafter.needs_aux else None  # the draft's own
-    return decode_one(verifier.model, prompt_ids, drafter, method="plain" if drafter is None else method,
-                      num_draft_tokens=cfg.num_draft_tokens, shape=cfg.tree_shape(), max_new_tokens=max_new_tokens,
-                      sampling=cfg.sampling(), stop_ids=stop_ids, aux_layer_ids=aux,
-                      generator=seeded_generator(verifier.device, cfg.seed))
+    results, _ = decode_rows(verifier, [prompt_ids], None if drafter is None else [drafter], method, cfg, stop_ids,
+                             max_new_tokens)
+    return results[0]
 
 
 def _with_methods(drafters: dict[str, Drafter | None], cfg: EvalConfig) -> tuple[list[tuple[str, Drafter]],
@@ -326,12 +323,11 @@ def evaluate(
             entry = _drafter_summary(runs[name], plain, hf, [pid for pid, _ in encoded], methods[name], cfg, base,
                                      floors)
             if judge is not None:
-                entry.update(_greedy_outcome(judge, encoded, runs[name], plain, cfg.recheck))
+                entry.update(greedy_outcome(judge, encoded, runs[name], plain, cfg.recheck))
             set_report["drafters"][name] = entry
             log.info("%s / %s: %s", set_name, name, one_line(entry))
             print(f"[eval] {set_name} / {name}: {one_line(entry)}", flush=True)
-        compare_with_reference(set_report["drafters"],
-                               {n: [(len(r.tokens), r.seconds) for r in res] for n, res in runs.items()})
+        compare_with_reference(set_report["drafters"], {n: _units(res) for n, res in runs.items()})
         for name, drafter in drafters.items():
             if drafter is None:
                 set_report["drafters"][name] = {"method": "plain", **base}
@@ -379,22 +375,6 @@ def draft_vocab_coverage(named: list[tuple[str, Drafter]], plain: list[DecodeRes
     return float(proposable[torch.tensor(tokens)].float().mean())
 
 
-def first_token_breakdown(
-    verifier: Verifier, named: list[tuple[str, Drafter]], encoded: list[tuple[Any, torch.Tensor]],
-    plain: list[DecodeResult], cfg: EvalConfig,
-) -> dict[str, Any] | None:
-    """Where the first EAGLE-3 drafter's first token fails over plain decoding's answers (``eval/breakdown.py``,
-    the 2nd..k-th choices read at k = ``tree_top_k``); None without an EAGLE-3 drafter."""
-    eagle = _first_eagle(named)
-    if eagle is None:
-        return None
-    records = []
-    for (_, ids), result in tqdm(list(zip(encoded, plain)), desc="first-token breakdown", unit="prompt",
-                                 leave=False):
-        records += first_tokens(verifier.model, eagle, ids, result.tokens, cfg.tree_top_k)
-    return breakdown(records, cfg.tree_top_k)
-
-
 def _set_report(
     verifier: Verifier, named: list[tuple[str, Drafter]], encoded: list[tuple[Any, torch.Tensor]],
     plain: list[DecodeResult], cfg: EvalConfig, base: dict[str, Any], skipped: int = 0,
@@ -407,9 +387,14 @@ def _set_report(
     coverage = draft_vocab_coverage(named, plain)
     if coverage is not None:
         set_report["draft_vocab_coverage"] = coverage
-    first = first_token_breakdown(verifier, named, encoded, plain, cfg) if cfg.first_token else None
-    if first is not None:
-        set_report["first_token"] = first
+    eagle = _first_eagle(named)
+    if cfg.first_token and eagle is not None:
+        # The first EAGLE-3 drafter's first token over plain's answers, its 2nd..k-th choices read at k = tree_top_k.
+        records = []
+        for (_, ids), result in tqdm(list(zip(encoded, plain)), desc="first-token breakdown", unit="prompt",
+                                     leave=False):
+            records += first_tokens(verifier.model, eagle, ids, result.tokens, cfg.tree_top_k)
+        set_report["first_token"] = breakdown(records, cfg.tree_top_k)
     return set_report
 
 
@@ -419,16 +404,7 @@ def _batched_set(
     judge: TieJudge | None, sweep: dict[str, Any],
 ) -> dict[str, Any]:
     """The batch sweep of one prompt set (into ``sweep``), and the set's usual entry from its smallest batch size."""
-    def outcome(results: list[DecodeResult], plain: list[DecodeResult]) -> dict | None:
-        return None if judge is None else _greedy_outcome(judge, encoded, results, plain, cfg.recheck)
-
-    plain: list[DecodeResult] = []  # the smallest batch size's plain answers (the first handed over)
-
-    def keep_first(results: list[DecodeResult]) -> None:
-        if not plain:
-            plain.extend(results)
-
-    by_size = evaluate_batched(verifier, encoded, named, methods, cfg, stop_ids, outcome, on_plain=keep_first)
+    by_size, plain = evaluate_batched(verifier, encoded, named, methods, cfg, stop_ids, judge)
     sweep[set_name] = by_size
     smallest = by_size[str(cfg.batch_sizes()[0])]
     base = {**smallest["plain"], "batch_size": smallest["batch_size"], "divides_by": "fledge plain decoding, batched"}
@@ -453,8 +429,9 @@ def _batched_set(
 def _run_hf(
     verifier: Verifier, prompt_ids: torch.Tensor, cfg: EvalConfig, stop_ids: frozenset[int], max_new_tokens: int
 ) -> DecodeResult:
-    return generate_hf(verifier.model, prompt_ids, max_new_tokens=max_new_tokens, sampling=cfg.sampling(),
-                       stop_ids=stop_ids, seed=cfg.seed)
+    results, _ = generate_hf_batch(verifier.model, [prompt_ids], max_new_tokens=max_new_tokens,
+                                   sampling=cfg.sampling(), stop_ids=stop_ids, seed=cfg.seed)
+    return results[0]
 
 
 def _round_floors(
@@ -483,24 +460,20 @@ def _median_with_interval(values: list[float]) -> tuple[float, list[float]]:
     return median(values), [lo, hi]
 
 
+def _units(results: list[DecodeResult]) -> list[tuple[int, float]]:
+    return [(len(r.tokens), r.seconds) for r in results]
+
+
 def _baseline_summary(plain: list[DecodeResult], hf: list[DecodeResult], greedy: bool) -> dict:
-    tokens = sum(len(r.tokens) for r in plain)
-    seconds = sum(r.seconds for r in plain)
-    steps = sum(len(r.tokens) for r in plain)  # the prefill leaves the prompt's last token to the first step
-    summary = {
-        "tokens": tokens,
-        "seconds": seconds,
-        "tokens_per_s": tokens / seconds if seconds else 0.0,
-        # One decoding step of the verifier (prefill excluded): the unit every cost below is measured in.
-        "step_seconds": sum(r.verify_seconds for r in plain) / steps if steps else 0.0,
-        "divides_by": "fledge plain decoding",
-    }
+    summary = throughput(_units(plain))
+    steps = summary["tokens"]  # the prefill leaves the prompt's last token to the first step
+    # One decoding step of the verifier (prefill excluded): the unit every cost below is measured in.
+    summary["step_seconds"] = sum(r.verify_seconds for r in plain) / steps if steps else 0.0
+    summary["divides_by"] = "fledge plain decoding"
     if hf:
         ratios = [_tokens_per_s(p) / _tokens_per_s(h) for p, h in zip(plain, hf) if _tokens_per_s(h)]
         ratio, interval = _median_with_interval(ratios)
-        hf_tokens, hf_seconds = sum(len(r.tokens) for r in hf), sum(r.seconds for r in hf)
-        summary["hf_generate"] = {"tokens": hf_tokens, "seconds": hf_seconds,
-                                  "tokens_per_s": hf_tokens / hf_seconds if hf_seconds else 0.0}
+        summary["hf_generate"] = throughput(_units(hf))
         if greedy:
             summary["hf_generate"]["same_tokens_rate"] = sum(p.tokens == h.tokens for p, h in zip(plain, hf)) / len(hf)
         # fledge's plain tokens/s over generate's, prompt by prompt: below 1 means generate is the faster baseline.
@@ -516,8 +489,7 @@ def _drafter_summary(
 ) -> dict:
     entry, trace, per_prompt_tau = acceptance_entry(results, method, cfg.num_draft_tokens, cfg.tree_depth)
     num_draft = trace.num_draft
-    tokens = sum(len(r.tokens) for r in results)
-    seconds = sum(r.seconds for r in results)
+    pooled = throughput(_units(results))
     rounds = max(len(trace.accepted), 1)
     drafted = sum(trace.offered())
     step = base["step_seconds"]
@@ -533,13 +505,11 @@ def _drafter_summary(
     parts = {part: sum(r.parts.get(part, 0.0) for r in results) / rounds / step if step else 0.0
              for part in ROUND_PARTS}
     entry.update(
-        tokens=tokens,
-        seconds=seconds,
-        tokens_per_s=tokens / seconds if seconds else 0.0,
+        **pooled,
         speedup=speedup,
         speedup_interval=speedup_interval,
         # The older pooled figure: all tokens over all seconds, against fledge's plain loop alone.
-        speedup_pooled=(tokens / seconds) / base["tokens_per_s"] if seconds and base["tokens_per_s"] else 0.0,
+        speedup_pooled=pooled["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else 0.0,
         cost_ratio=cost_ratio,
         predicted_speedup=predicted_speedup(entry["alpha"], num_draft, cost_ratio),
         verifier_calls=len(trace.accepted),
@@ -605,27 +575,3 @@ def _tree_accounting(entry: dict, measured_v: bool) -> dict:
             "predicted_round_cost_in_steps": cost,
         },
     }
-
-
-def _greedy_outcome(
-    judge: TieJudge, encoded: list[tuple[Any, torch.Tensor]], results: list[DecodeResult], plain: list[DecodeResult],
-    recheck: bool = True,
-) -> dict:
-    """Greedy losslessness: prompts whose output equals plain greedy decoding token for token, and at each other
-    prompt's first difference, a numerical tie or a mismatch (``eval/ties.py``); with ``recheck``, every position of
-    every output against the float32 argmax too."""
-    divergences = [judge.judge(pid, ids, b.tokens, r.tokens)
-                   for (pid, ids), r, b in zip(encoded, results, plain) if r.tokens != b.tokens]
-    ties = [d.to_json() for d in divergences if d.kind == "tie"]
-    mismatches = [d.to_json() for d in divergences if d.kind == "mismatch"]
-    outcome = {
-        "greedy_match_rate": 1.0 - len(divergences) / len(results),
-        "greedy_exact": len(results) - len(divergences),
-        "greedy_tie_count": len(ties),
-        "greedy_mismatch_count": len(mismatches),
-        "greedy_ties": ties,
-        "greedy_mismatches": mismatches,
-    }
-    if recheck:
-        outcome["recheck"] = recheck_summary(judge, encoded, [r.tokens for r in results])
-    return outcome

@@ -38,11 +38,13 @@ from __future__ import annotations
 
 import copy
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 from torch import nn
 from transformers import DynamicCache
 
+from fledge.decode.result import DecodeResult
 from fledge.models.verifier import cache_kwarg
 
 DEFAULT_TIE_TOLERANCE = 1.0
@@ -218,3 +220,27 @@ def recheck_summary(judge: TieJudge, encoded: list[tuple[object, torch.Tensor]],
         "off_argmax": [{"id": c.id, "kind": kind, **row} for c in checks
                        for kind, rows in (("tie", c.ties), ("mismatch", c.mismatches)) for row in rows],
     }
+
+
+def greedy_outcome(
+    judge: TieJudge, encoded: list[tuple[Any, torch.Tensor]], results: list[DecodeResult], plain: list[DecodeResult],
+    recheck: bool = True,
+) -> dict:
+    """Greedy losslessness: prompts whose output equals plain greedy decoding token for token, and at each other
+    prompt's first difference, a numerical tie or a mismatch (``TieJudge.judge``); with ``recheck``, every position
+    of every output against the float32 argmax too."""
+    divergences = [judge.judge(pid, ids, b.tokens, r.tokens)
+                   for (pid, ids), r, b in zip(encoded, results, plain) if r.tokens != b.tokens]
+    ties = [d.to_json() for d in divergences if d.kind == "tie"]
+    mismatches = [d.to_json() for d in divergences if d.kind == "mismatch"]
+    outcome = {
+        "greedy_match_rate": 1.0 - len(divergences) / len(results),
+        "greedy_exact": len(results) - len(divergences),
+        "greedy_tie_count": len(ties),
+        "greedy_mismatch_count": len(mismatches),
+        "greedy_ties": ties,
+        "greedy_mismatches": mismatches,
+    }
+    if recheck:
+        outcome["recheck"] = recheck_summary(judge, encoded, [r.tokens for r in results])
+    return outcome

@@ -104,19 +104,14 @@ PLAIN = Candidate(name="plain", method="plain", expected_tokens=1.0, round_cost=
 """No speculation: one token per verifier step, by definition 1.0x."""
 
 
-def _alpha(n_alpha: Sequence[float | None], depth: int) -> float:
-    # A depth no round reached (None, or beyond the measured chain) counts as never accepted: the estimate stays
-    # on the side of what was seen.
-    if depth > len(n_alpha) or n_alpha[depth - 1] is None:
-        return 0.0
-    return float(n_alpha[depth - 1])
-
-
 def expected_tokens(n_alpha: Sequence[float | None], num_draft: int) -> float:
     """E(N) = 1 + Σ_{k=1..N} Π_{i≤k} α_i: the verifier's own token plus each draft depth reached and accepted."""
     total, reach = 1.0, 1.0
     for depth in range(1, num_draft + 1):
-        reach *= _alpha(n_alpha, depth)
+        # A depth no round reached (None, or beyond the measured chain) counts as never accepted: the estimate stays
+        # on the side of what was seen.
+        alpha = n_alpha[depth - 1] if depth <= len(n_alpha) else None
+        reach *= 0.0 if alpha is None else float(alpha)
         total += reach
     return total
 
@@ -277,11 +272,7 @@ def recommend(options: Sequence[Candidate]) -> Candidate:
     """The highest predicted speed-up; on a tie the earlier (simpler) candidate, so plain wins a draw."""
     if not options:
         raise ValueError("no candidates to choose from")
-    best = options[0]
-    for option in options[1:]:
-        if option.predicted_speedup > best.predicted_speedup:
-            best = option
-    return best
+    return max(options, key=lambda option: option.predicted_speedup)  # max keeps the first of equals
 
 
 def overhead_from_run(measured_verify_cost: float, num_draft: int, cost: CostModel) -> float:
@@ -370,10 +361,3 @@ def measure_tree_draft_seconds(
         seconds.append(clock(device) - start)
     return min(seconds)
 
-
-__all__ = [
-    "PLAIN", "Candidate", "CostModel", "Position", "candidates", "chain_candidate", "draft_path_accepted",
-    "expected_tokens", "format_table", "hybrid_chain_candidate", "hybrid_tree_candidate", "measured_positions",
-    "measure_tree_draft_seconds", "measure_verify_cost", "overhead_from_run", "recommend", "relative_costs",
-    "tree_candidate", "tree_expected_tokens", "tree_width",
-]

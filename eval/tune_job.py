@@ -142,20 +142,13 @@ def hybrid_positions(records: list[dict[str, Any]], prompt_ids: list[torch.Tenso
 
 def _topk_lines(topk: list | None, shapes: list[TreeShape]) -> list[str]:
     """β_d(w) at the widths the tree shapes use, one line per width."""
-    if not topk:
-        return []
-    lines = []
-    for w in sorted({tree_width(s) for s in shapes}):
-        cells = " ".join("-" if row is None else f"{row[min(w, len(row)) - 1]:.2f}" for row in topk)
-        lines.append(f"[tune] top-{w} acceptance per depth (trees of width {w}): {cells}")
-    return lines
+    widths = sorted({tree_width(s) for s in shapes}) if topk else []
+    return [f"[tune] top-{w} acceptance per depth (trees of width {w}): "
+            + " ".join("-" if row is None else f"{row[min(w, len(row)) - 1]:.2f}" for row in topk) for w in widths]
 
 
 def _candidate_json(c: Candidate) -> dict[str, Any]:
-    return {"name": c.name, "method": c.method, "num_draft_tokens": c.num_draft_tokens, "hybrid": c.hybrid,
-            "branch": c.branch, "tree": dataclasses.asdict(c.tree) if c.tree else None,
-            "expected_tokens": c.expected_tokens,
-            "round_cost": c.round_cost, "predicted_speedup": c.predicted_speedup}
+    return {**dataclasses.asdict(c), "predicted_speedup": c.predicted_speedup}
 
 
 def run(cfg: TuneJobConfig) -> dict[str, Any]:

@@ -165,10 +165,8 @@ def run_phase(args: argparse.Namespace) -> None:
         if per_request is not None:
             record["spec_decode"] = per_request.to_dict()
         results.append(record)
-    metrics = {}
-    for m in llm.get_metrics():
-        if m.name in SPEC_METRICS:
-            metrics[m.name] = list(m.values) if hasattr(m, "values") else m.value
+    metrics = {m.name: list(m.values) if hasattr(m, "values") else m.value for m in llm.get_metrics()
+               if m.name in SPEC_METRICS}
     Path(args.phase_out).write_text(json.dumps({
         "outputs": results, "metrics": metrics, "load_seconds": load_s, "generate_seconds": gen_s,
         "engine_kwargs": {k: v for k, v in kwargs.items()},
@@ -224,15 +222,6 @@ def fledge_view(outputs: list[dict], k: int) -> dict:
         "tau_with_prefill": tokens / (steps + n) if steps + n else None,
         "num_spec_tokens": k,
     }
-
-
-def fledge_tau(report_path: Path, set_name: str, drafter: str) -> dict:
-    """τ and n-α of one drafter on one prompt set from a ``fledge eval`` report.json."""
-    report = json.loads(report_path.read_text())
-    entry = report.get("sets", {}).get(set_name, {}).get("drafters", {}).get(drafter)
-    if entry is None:
-        fail(f"{report_path} has no drafter {drafter!r} under set {set_name!r}")
-    return entry
 
 
 def fledge_rounds(entry: dict, per_prompt: list[dict]) -> dict:
@@ -319,11 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     work = out_path.with_suffix(".phases")
     work.mkdir(exist_ok=True)
     spec_path = work / "inputs.json"
-    spec_path.write_text(json.dumps({"verifier": str(Path(args.verifier).resolve()),
-                                     "export": str(Path(args.export).resolve()),
-                                     "prompt_ids": prompt_ids, "stop_ids": stop_ids}))
     inputs = json.dumps({"verifier": str(Path(args.verifier).resolve()), "export": str(Path(args.export).resolve()),
                          "prompt_ids": prompt_ids, "stop_ids": stop_ids})
+    spec_path.write_text(inputs)
     phase_args = json.dumps({"k": args.k, "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
                              "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
                              "compile": args.compile})
@@ -378,11 +365,14 @@ def main(argv: list[str] | None = None) -> int:
         "spec_tokens_per_s": sum(len(r["spec_ids"]) for r in per_prompt) / spec["generate_seconds"],
     }
     if args.fledge_report:
-        entry = fledge_tau(Path(args.fledge_report), args.fledge_set, args.fledge_drafter)
+        # τ and n-α of one drafter on one prompt set from a ``fledge eval`` report.json
+        report = json.loads(Path(args.fledge_report).read_text())
+        entry = report.get("sets", {}).get(args.fledge_set, {}).get("drafters", {}).get(args.fledge_drafter)
+        if entry is None:
+            fail(f"{args.fledge_report} has no drafter {args.fledge_drafter!r} under set {args.fledge_set!r}")
+        read = ("tau", "n_alpha", "num_draft", "rounds", "histogram", "tokens")
         summary["fledge"] = {"report": args.fledge_report, "set": args.fledge_set, "drafter": args.fledge_drafter,
-                             "tau": entry.get("tau"), "n_alpha": entry.get("n_alpha"),
-                             "num_draft": entry.get("num_draft"), "rounds": entry.get("rounds"),
-                             "histogram": entry.get("histogram"), "tokens": entry.get("tokens"),
+                             **{k: entry.get(k) for k in read},
                              "num_prompts": len(entry.get("per_prompt", [])) or None,
                              "greedy_match_rate": entry.get("greedy_match_rate"),
                              **fledge_rounds(entry, per_prompt)}
