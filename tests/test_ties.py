@@ -60,15 +60,16 @@ def test_in_bf16_the_rounding_is_measured_against_a_float32_copy(model):
 
 def test_evaluate_reports_ties_and_mismatches_and_the_job_fails_on_a_mismatch(tiny_verifier_dir, monkeypatch):
     verifier = load_verifier(VerifierConfig(name_or_path=str(tiny_verifier_dir), dtype="float32"))
-    real_decode = runner.decode_one
+    real_decode = runner.decode_rows
 
-    def broken_decode(*args, **kwargs):  # a loop that is not exact: its third token is off by one
-        result = real_decode(*args, **kwargs)
-        if kwargs["method"] != "plain":
-            result.tokens[2] = (result.tokens[2] + 1) % len(verifier.tokenizer)
-        return result
+    def broken_decode(verifier_, prompts, drafters, *args, **kwargs):  # a loop that is not exact: its third token
+        results, extra = real_decode(verifier_, prompts, drafters, *args, **kwargs)  # is off by one
+        if drafters is not None:
+            for result in results:
+                result.tokens[2] = (result.tokens[2] + 1) % len(verifier.tokenizer)
+        return results, extra
 
-    monkeypatch.setattr(runner, "decode_one", broken_decode)
+    monkeypatch.setattr(runner, "decode_rows", broken_decode)
     prompts = [{"id": "a", "turns": ["Say hello."]}, {"id": "b", "turns": ["Count to three."]}]
     cfg = EvalConfig(max_new_tokens=6, warmup_tokens=0, hf_baseline=False, round_floor=False, out_dir=None)
     report = evaluate(verifier, {"toy": prompts}, {"lookup": PromptLookupDrafter()}, cfg)
