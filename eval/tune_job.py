@@ -74,13 +74,13 @@ class TuneJobConfig(DrafterSettings):
     tree_shapes: list[TreeCandidateConfig] = field(default_factory=lambda: [
         TreeCandidateConfig(1, 2, 2), TreeCandidateConfig(1, 4, 4), TreeCandidateConfig(2, 4, 6),
         TreeCandidateConfig(2, 4, 8), TreeCandidateConfig(3, 2, 4), TreeCandidateConfig(3, 4, 8),
-        TreeCandidateConfig(4, 4, 16), TreeCandidateConfig(6, 8, 48),
+        TreeCandidateConfig(3, 4, 12), TreeCandidateConfig(4, 4, 16), TreeCandidateConfig(6, 8, 48),
     ])
     """EAGLE-2 tree shapes to predict; the last is EAGLE-2's default. Depth-1 trees (the draft's top-k first tokens
     in one verifier pass, no draft forward beyond the root) are what a short run's draft affords on a CPU, where
     checking a few tokens costs about one step and the draft is seldom right past its first token; d=2 k=4 T=6 and
     d=3 k=4 T=8 add the likeliest second and third tokens to the four first ones, for drafts trained with a 2- or
-    3-step unroll (the quickstart's)."""
+    3-step unroll; d=3 k=4 T=12 is the quickstart's own (docs/experiments/2026-12-06-deeper-tree.md)."""
     verify_repeats: int = 5
     """Timed repeats per k when measuring v(k) (the median is kept)."""
     warmup_tokens: int = 8
