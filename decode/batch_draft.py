@@ -360,7 +360,8 @@ class BatchedEagle:
 
 class BatchedHybrid(RowwiseBatch):
     """``HybridDrafter`` over a batch: prompt lookup per row, the EAGLE-3 draft batched (``BatchedEagle``); the rows
-    observe as ``RowwiseBatch``'s do."""
+    observe as ``RowwiseBatch``'s do. The draft reads the committed tokens only when a round asks it for a proposal
+    (rounds of lookup alone leave it idle), all rounds' tokens since its last proposal in one block."""
 
     needs_aux = True
 
@@ -368,18 +369,32 @@ class BatchedHybrid(RowwiseBatch):
         self.rows = list(drafters)  # their lookups, and their counters
         self.eagle = BatchedEagle(drafters[0].eagle)
         self.aux_layer_ids = self.eagle.aux_layer_ids
+        self.pending: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in drafters]
+        """Per row, the committed (tokens, aux) blocks the draft has not read yet: none in any row, or some in
+        every row (each round commits a token in every row)."""
 
     def start(self, contexts, auxes) -> None:
         for row, context in zip(self.rows, contexts):
             row.restart()
             row.lookup.start(context, None)
         self.eagle.start(contexts, auxes)
+        self.pending = [[] for _ in contexts]
+
+    def _catch_up(self) -> None:
+        """The draft reads every row's pending blocks, as one."""
+        if self.pending and self.pending[0]:
+            self.eagle.advance([(torch.cat([t for t, _ in blocks]), torch.cat([a for _, a in blocks]))
+                                for blocks in self.pending])
+            self.pending = [[] for _ in self.pending]
 
     def propose_chains(self, lengths, sampling, generator) -> list[ChainDraft]:
         found = [row.lookup.propose_chain(n, sampling, generator) for row, n in zip(self.rows, lengths)]
         hits = [f.tokens.numel() > 0 for f in found]
-        drafted = self.eagle.propose_chains([0 if hit else row.draft_length(n) for row, hit, n in
-                                             zip(self.rows, hits, lengths)], sampling, generator)
+        wanted = [0 if hit else row.draft_length(n) for row, hit, n in zip(self.rows, hits, lengths)]
+        drafted = found
+        if any(wanted):
+            self._catch_up()
+            drafted = self.eagle.propose_chains(wanted, sampling, generator)
         for row, hit, f in zip(self.rows, hits, found):
             row.used_lookup += hit
             if hit:
@@ -387,18 +402,25 @@ class BatchedHybrid(RowwiseBatch):
         return [f if hit else d for f, d, hit in zip(found, drafted, hits)]
 
     def propose_trees(self, shapes, sampling, generator) -> list[DraftTree]:
-        trees = self.eagle.propose_trees(shapes, sampling, generator)
-        return [tree if shape is None else row.with_lookup(tree, shape)
-                for row, tree, shape in zip(self.rows, trees, shapes)]
+        wanted = [None if shape is None or row.lookup_alone(shape) else shape for row, shape in zip(self.rows, shapes)]
+        trees = [empty_tree() for _ in shapes]
+        if any(s is not None for s in wanted):
+            self._catch_up()
+            trees = self.eagle.propose_trees(wanted, sampling, generator)
+        return [tree if shape is None else row.with_lookup(tree, shape, drafted=want is not None)
+                for row, tree, shape, want in zip(self.rows, trees, shapes, wanted)]
 
     def advance(self, updates) -> None:
-        for row, (tokens, _) in zip(self.rows, updates):
+        if any(aux is None for _, aux in updates):
+            raise ValueError("BatchedHybrid needs the verifier's aux states of the committed tokens")
+        for row, blocks, (tokens, aux) in zip(self.rows, self.pending, updates):
             row.settle(tokens.tolist())
             row.lookup.advance(tokens, None)
-        self.eagle.advance(updates)
+            blocks.append((tokens, aux))
 
     def keep_rows(self, rows: list[int]) -> None:
         self.rows = [self.rows[i] for i in rows]
+        self.pending = [self.pending[i] for i in rows]
         self.eagle.keep_rows(rows)
 
     @property

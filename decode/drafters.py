@@ -8,7 +8,9 @@ import torch
 from fledge.core.errors import ConfigError
 from fledge.decode import merge
 from fledge.decode.datastore import NgramDatastore
-from fledge.decode.proposals import ChainDraft, Drafter, DraftTree, TreeShape, grow_tree, propose_chain_with
+from fledge.decode.proposals import (
+    ChainDraft, Drafter, DraftTree, TreeShape, empty_tree, grow_tree, propose_chain_with,
+)
 from fledge.decode.recycle import RecycleTable
 from fledge.models.draft import Eagle3Draft
 from fledge.models.sampling import SamplingParams
@@ -16,6 +18,9 @@ from fledge.models.sampling import SamplingParams
 
 MAX_OCCURRENCES = 32
 """The most earlier occurrences of an n-gram whose continuations ``PromptLookupDrafter.alternatives`` counts."""
+DRAFT_YIELD_PRIOR = 1.0
+"""``HybridDrafter.lookup_alone``: tokens a round's draft is assumed to add where the lookup fails, before the
+sequence has shown its own (weighted as ``merge.PRIOR_STRENGTH`` rounds)."""
 
 
 class PromptLookupDrafter:
@@ -234,7 +239,9 @@ class HybridDrafter:
 
     Trees may also carry the verifier's own recorded successors of the root (``recycle``: token recycling,
     ``decode/recycle.py``), and ``budget`` keeps the candidates of the most expected accepted tokens out of all of
-    them (``decode/merge.py``); both stay exact for the same reasons.
+    them (``decode/merge.py``); both stay exact for the same reasons. With ``draft_cost``, a round whose lookup
+    match is trusted enough proposes without the draft at all (``lookup_alone``), as prompt lookup alone would, and
+    the draft catches up on the committed tokens when it is next asked.
 
     Over an ``EagleDrafter`` the hybrid runs as ``BatchedHybrid`` (``decode/batch_draft.py``: lookup per row, the
     draft batched); its own ``start``/``advance``/``propose_*`` serve any other draft that proposes row by row.
@@ -244,9 +251,11 @@ class HybridDrafter:
     supports_tree = True
 
     def __init__(self, eagle: Drafter, lookup: PromptLookupDrafter, draft_tokens: int = 0, extend: int = 0,
-                 lookup_nodes: int = 0, recycle: RecycleTable | None = None, budget: int = 0):
+                 lookup_nodes: int = 0, recycle: RecycleTable | None = None, budget: int = 0,
+                 draft_cost: float = 0.0):
         settings = (("lookup_nodes", lookup_nodes, "off"), ("draft_tokens", draft_tokens, "the chain's length"),
-                    ("extend", extend, "off"), ("budget", budget, "every candidate"))
+                    ("extend", extend, "off"), ("budget", budget, "every candidate"),
+                    ("draft_cost", draft_cost, "the draft every round"))
         for key, value, zero in settings:
             if value < 0:
                 raise ConfigError(f"hybrid {key} must be >= 0 (0: {zero}), got {value}")
@@ -284,12 +293,22 @@ class HybridDrafter:
         """This sequence's acceptance per candidate kind, learned from its rounds (``budget``)."""
         self.pruned_nodes = 0
         """Candidates the budget left out."""
+        self.draft_cost = draft_cost
+        """Trees: the draft's share of a round's cost, in rounds of prompt lookup alone (0: the draft every round);
+        ``lookup_alone`` weighs what the draft would add against it."""
+        self.lookup_alone_rounds = 0
+        """Tree rounds proposed without the draft (``draft_cost``)."""
+        self.draft_yield = [merge.PRIOR_STRENGTH * DRAFT_YIELD_PRIOR, merge.PRIOR_STRENGTH]
+        """(tokens, rounds): what the rest of the tree accepted in the rounds that drafted and where the lookup had
+        no branch or its first token failed."""
         self._proposed: tuple[DraftTree, list] | None = None
         self._offered: list[int] = []
+        self._drafted = False
 
     def fresh(self) -> HybridDrafter:
         return HybridDrafter(self.eagle.fresh(), self.lookup.fresh(), self.draft_tokens, self.extend,
-                             self.lookup_nodes, None if self.recycle is None else self.recycle.fresh(), self.budget)
+                             self.lookup_nodes, None if self.recycle is None else self.recycle.fresh(), self.budget,
+                             self.draft_cost)
 
     @property
     def observe_top_k(self) -> int:
@@ -313,8 +332,10 @@ class HybridDrafter:
         if self.recycle is not None:
             self.recycle.restart()
         self.acceptance = merge.AcceptanceModel()
+        self.draft_yield = [merge.PRIOR_STRENGTH * DRAFT_YIELD_PRIOR, merge.PRIOR_STRENGTH]
         self._proposed = None
         self._offered = []
+        self._drafted = False
 
     def advance(self, new_tokens: torch.Tensor, aux: torch.Tensor | None) -> None:
         self.settle(new_tokens.tolist())
@@ -328,7 +349,11 @@ class HybridDrafter:
     def settle(self, committed: list[int]) -> None:
         if self._offered and committed[: len(self._offered)] != self._offered:
             self.lookup_rejected += 1
+        if self._drafted and (not self._offered or committed[0] != self._offered[0]):
+            self.draft_yield[0] += len(committed) - 1
+            self.draft_yield[1] += 1
         self._offered = []
+        self._drafted = False
         if self._proposed is not None:
             merge.settle(self.acceptance, *self._proposed, committed)
             self._proposed = None
@@ -342,16 +367,40 @@ class HybridDrafter:
         return self.eagle.propose_chain(self.draft_length(n), sampling, generator)
 
     def propose_tree(self, shape: TreeShape, sampling: SamplingParams, generator: torch.Generator | None) -> DraftTree:
+        if self.lookup_alone(shape):
+            return self.with_lookup(empty_tree(), shape, drafted=False)
         return self.with_lookup(self.eagle.propose_tree(shape, sampling, generator), shape)
 
-    def with_lookup(self, tree: DraftTree, shape: TreeShape) -> DraftTree:
-        """The draft's ``tree`` with its lookup branches: the context's continuation from the root, and with
+    def lookup_alone(self, shape: TreeShape) -> bool:
+        """Whether this tree round goes without the draft (``draft_cost``). The lookup's root branch is expected to
+        accept E tokens (the sum of its path probabilities, by the acceptance so far of lookup tokens at each depth
+        after a match of this length), its first with probability p; where the lookup fails at its first token, the
+        rest of the tree accepted A tokens a round so far (``draft_yield``). With the draft a round yields about
+        1 + E + (1 - p) A tokens at 1 + draft_cost the cost of one without it, which yields 1 + E: the draft is left
+        out when (1 + E) draft_cost >= (1 - p) A. Depends only on committed tokens and past rounds: exact."""
+        if not self.draft_cost:
+            return False
+        branch = self.lookup.continuation([], shape.branch_depth)
+        path, expected, first = 1.0, 0.0, 0.0
+        for depth in range(1, branch.numel() + 1):
+            path *= self.acceptance.estimate(("lookup", min(depth, 6), self.lookup.match_length))
+            expected += path
+            first = first or path
+        draft_yield = self.draft_yield[0] / self.draft_yield[1]
+        alone = branch.numel() > 0 and (1 + expected) * self.draft_cost >= (1 - first) * draft_yield
+        self.lookup_alone_rounds += alone
+        return alone
+
+    def with_lookup(self, tree: DraftTree, shape: TreeShape, drafted: bool = True) -> DraftTree:
+        """The draft's ``tree`` (``drafted``; else an empty tree) with its lookup branches: the context's continuation
+        from the root, and with
         ``extend``, the continuation after each of the draft's first ``extend`` first tokens (the one that is right
         then leads into text the context repeats); with ``lookup_nodes`` other occurrences' continuations, with
         ``recycle`` the recorded successors. With ``budget``, the best ``budget`` nodes of it all
         (``decode/merge.py``). Trees of sampled children are left as they are."""
         if tree.q is not None:
             return tree
+        self._drafted = drafted
         draft_nodes = tree.size
         tagged = []  # (branch, its nodes' key by depth), for the budget
         branches = [self.lookup.continuation([], shape.branch_depth)]
@@ -384,15 +433,16 @@ class HybridDrafter:
                 tree = with_branch(tree, torch.tensor(path, device=tree.tokens.device))
                 tagged.append((path, lambda d, ranks=ranks: ("recycle", d, ranks[d - 1])))
             self.recycled_nodes += tree.size - size
-        if self.budget:
+        if self.budget or self.draft_cost:  # the acceptance estimates both use
             keys: list[list] = [[] for _ in range(tree.size)]
             merge.draft_keys(tree, draft_nodes, keys)
             index = merge.node_index(tree)
             for branch, key_of in tagged:
                 merge.tag_branch(keys, index, [int(t) for t in branch], key_of)
-            size = tree.size
-            tree, keys = merge.keep_best(tree, keys, self.acceptance, self.budget)
-            self.pruned_nodes += size - tree.size
+            if self.budget:
+                size = tree.size
+                tree, keys = merge.keep_best(tree, keys, self.acceptance, self.budget)
+                self.pruned_nodes += size - tree.size
             self._proposed = (tree, keys)
         return tree
 

@@ -51,6 +51,12 @@ class DrafterSettings:
     """Trees: at most this many draft tokens a round, out of everything the draft, the lookup and the recycle
     table propose: the ones of the most expected accepted tokens, by each kind's acceptance so far in the sequence
     (``decode/merge.py``); 0: every candidate."""
+    hybrid_draft_cost: float = 0.0
+    """Trees: the draft's share of a round's cost, counted in rounds of prompt lookup alone (about 0.3 on a 2-core
+    CPU with the default verifier: ``docs/experiments/2026-12-06-lookup-alone.md``). A round whose lookup match has
+    been accepted often enough that the draft would add less than it costs proposes the lookup's branches and
+    recycled successors alone, and the draft reads the committed tokens when it is next asked
+    (``HybridDrafter.lookup_alone``); 0: the draft every round. Exact, as the decision rests on past rounds only."""
     draft_min_prob: float = 0.0
     """The draft's chains (alone and in the hybrid) stop before a position where its most likely token has less
     probability than this; 0 always drafts ``eval.num_draft_tokens``. Exact for greedy and sampled decoding."""
@@ -66,7 +72,7 @@ class DrafterSettings:
                   recycle: RecycleTable | None = None) -> HybridDrafter:
         return HybridDrafter(self.eagle(draft), self.lookup(store), draft_tokens=self.hybrid_draft_tokens,
                              extend=self.hybrid_extend, lookup_nodes=self.hybrid_lookup_nodes, recycle=recycle,
-                             budget=self.hybrid_budget)
+                             budget=self.hybrid_budget, draft_cost=self.hybrid_draft_cost)
 
     def recycle_table(self, tokenizer, vocab_size: int, fingerprint: str | None = None) -> RecycleTable | None:
         """The hybrid's recycle table, seeded as ``hybrid_recycle_seed`` says; None when ``hybrid_recycle`` is off."""

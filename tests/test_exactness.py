@@ -268,9 +268,12 @@ def hybrid_check(verifier, method, batch_size, made=None, runs=None):
     def factory():
         # extend=2: the draft's first two first tokens carry lookup continuations too (hybrid_extend); and up to 3
         # tokens of other occurrences' continuations (hybrid_lookup_nodes)
-        # and a budget of 8 of all those candidates (hybrid_budget), chosen by their estimated acceptance
+        # and a budget of 8 of all those candidates (hybrid_budget), chosen by their estimated acceptance; every
+        # other sequence goes without the draft in rounds whose lookup is trusted enough (hybrid_draft_cost), so a
+        # batch has rows that draft and rows that do not in one round
         made.append(HybridDrafter(eagle(), PromptLookupDrafter(max_ngram=2, min_ngram=1, datastore=store), extend=2,
-                                  lookup_nodes=3, recycle=recycle.fresh(), budget=8))
+                                  lookup_nodes=3, recycle=recycle.fresh(), budget=8,
+                                  draft_cost=0.3 * (len(made) % 2)))
         return made[-1]
 
     # The lookup branch may reach deeper than the draft's own tree (TreeShape.lookup_depth).
@@ -300,6 +303,7 @@ def test_hybrid_drafter_is_exact(verifier, method, batch_size):
         assert sum(d.alternative_nodes for d in made) > 0  # and other occurrences' continuations
         assert sum(d.recycled_nodes for d in made) > 0  # and recycled successors
         assert sum(d.pruned_nodes for d in made) > 0  # of which the budget left some out
+        assert sum(d.lookup_alone_rounds for d in made) > 0  # and rounds of the lookup alone
         assert sum(d.recycle.recorded for d in made) > 0  # the verifier's own, once rounds ran
 
 

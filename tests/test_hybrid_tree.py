@@ -201,3 +201,57 @@ def test_hybrid_lookup_nodes_adds_the_continuations_most_other_occurrences_share
         eagle(draft), PromptLookupDrafter(max_ngram=2, min_ngram=1), lookup_nodes=nodes), repeating,
         TreeShape(depth=2, top_k=2, total_tokens=3, lookup_depth=3))
     assert made.alternative_nodes > 0
+
+
+def test_lookup_alone_leaves_the_draft_out_where_the_lookup_is_trusted(verifier):
+    """``draft_cost``: a tree round proposes the lookup alone when (1 + E) draft_cost >= (1 - p) A (``lookup_alone``);
+    the estimates learn from the rounds; decoding stays exact, and the batched hybrid (whose draft reads the skipped
+    rounds' tokens in one block when next asked) decides and proposes as the one-row reference does, a batch whose
+    rows decide differently included."""
+    from fledge.decode.loop import generate
+
+    draft = random_eagle(verifier)
+    context = torch.tensor([3, 17, 42, 99, 5, 3, 17, 42, 99, 5, 3, 17])  # "3 17" occurred before: a lookup match
+    fresh = torch.tensor([3, 17, 42, 99, 5, 250, 8])  # "250 8" did not
+    shape = TreeShape(depth=2, top_k=2, total_tokens=4, lookup_depth=4)
+
+    def hybrid(cost, eagle=EagleDrafter):
+        return HybridDrafter(eagle(draft), PromptLookupDrafter(max_ngram=2, min_ngram=2), draft_cost=cost)
+
+    # Before any round: lookup tokens at the prior 0.5 a depth, 4 of them: E = 0.9375, p = 0.5; A = 1 (the prior):
+    # the draft is left out from draft_cost 0.5 / 1.9375 = 0.258 on, never where the lookup has no match.
+    aux = verifier_aux(verifier, context.tolist())[:-1]
+    for cost, alone in ((0.25, False), (0.27, True)):
+        made = hybrid(cost, ReferenceEagle)
+        made.start(context, aux)
+        assert made.lookup_alone(shape) is alone
+        tree = made.propose_tree(shape, SamplingParams(), None)
+        assert (tree.tokens.tolist() == [42, 99, 5, 3]) is alone  # alone: the lookup's branch and nothing else
+    made = hybrid(100.0, ReferenceEagle)
+    made.start(fresh, verifier_aux(verifier, fresh.tolist())[:-1])
+    assert not made.lookup_alone(shape)
+    made = hybrid(0.25, ReferenceEagle)
+    made.start(context, aux)
+    for depth in range(1, 5):  # the lookup's tokens after a 2-token match were accepted: trusted more
+        made.acceptance.count([("lookup", depth, 2)], True)
+    assert made.lookup_alone(shape)
+    made.draft_yield = [20.0, 2.0]  # unless the draft has been adding 10 tokens a round where the lookup failed
+    assert not made.lookup_alone(shape)
+
+    plain = generate_plain(verifier, context, max_new_tokens=MAX_NEW).tokens
+    one, batched = hybrid(0.3, ReferenceEagle), hybrid(0.3)
+    expected = decode_one(verifier, context, one, method="tree", shape=shape, max_new_tokens=MAX_NEW,
+                          aux_layer_ids=AUX_IDS)
+    got = decode_one(verifier, context, batched, method="tree", shape=shape, max_new_tokens=MAX_NEW,
+                     aux_layer_ids=AUX_IDS)
+    assert expected.tokens == got.tokens == plain
+    assert got.accepted == expected.accepted and got.tree_nodes == expected.tree_nodes
+    assert 0 < batched.lookup_alone_rounds == one.lookup_alone_rounds < len(got.accepted)
+    assert batched.draft_yield[1] > 2  # rounds that drafted were counted
+    # Two rows that decide differently round by round: the draft runs for one row and not the other.
+    rows = [hybrid(0.3), hybrid(0.3)]
+    results, _ = generate(verifier, [context, fresh], rows, method="tree", shape=shape, max_new_tokens=MAX_NEW,
+                          aux_layer_ids=AUX_IDS)
+    assert results[0].tokens == plain
+    assert results[1].tokens == generate_plain(verifier, fresh, max_new_tokens=MAX_NEW).tokens
+    assert rows[0].lookup_alone_rounds != rows[1].lookup_alone_rounds
