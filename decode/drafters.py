@@ -18,9 +18,12 @@ from fledge.models.sampling import SamplingParams
 
 MAX_OCCURRENCES = 32
 """The most earlier occurrences of an n-gram whose continuations ``PromptLookupDrafter.alternatives`` counts."""
-DRAFT_YIELD_PRIOR = 1.0
-"""``HybridDrafter.lookup_alone``: tokens a round's draft is assumed to add where the lookup fails, before the
-sequence has shown its own (weighted as ``merge.PRIOR_STRENGTH`` rounds)."""
+DRAFT_GAIN_PRIOR = 1.0
+"""``HybridDrafter.lookup_alone``: tokens a round's draft is assumed to add to the lookup's, and tokens the lookup
+is assumed to accept, before the sequence has shown its own (each weighted as ``merge.PRIOR_STRENGTH`` rounds)."""
+EXPLORE_ROUNDS = 4
+"""``HybridDrafter.lookup_alone``: after this many rounds in a row without the draft at one match length, a round
+drafts anyway, so that the draft's gain there is measured again."""
 
 
 class PromptLookupDrafter:
@@ -298,12 +301,12 @@ class HybridDrafter:
         ``lookup_alone`` weighs what the draft would add against it."""
         self.lookup_alone_rounds = 0
         """Tree rounds proposed without the draft (``draft_cost``)."""
-        self.draft_yield = [merge.PRIOR_STRENGTH * DRAFT_YIELD_PRIOR, merge.PRIOR_STRENGTH]
-        """(tokens, rounds): what the rest of the tree accepted in the rounds that drafted and where the lookup had
-        no branch or its first token failed."""
+        self.by_match: dict[int, list[float]] = {}
+        """Per length of the lookup's match (0: the datastore's), [rounds, lookup tokens accepted, rounds that
+        drafted, tokens they accepted beyond the lookup's, rounds in a row without the draft] (``lookup_alone``)."""
         self._proposed: tuple[DraftTree, list] | None = None
         self._offered: list[int] = []
-        self._drafted = False
+        self._round: tuple[int, bool] | None = None
 
     def fresh(self) -> HybridDrafter:
         return HybridDrafter(self.eagle.fresh(), self.lookup.fresh(), self.draft_tokens, self.extend,
@@ -332,10 +335,10 @@ class HybridDrafter:
         if self.recycle is not None:
             self.recycle.restart()
         self.acceptance = merge.AcceptanceModel()
-        self.draft_yield = [merge.PRIOR_STRENGTH * DRAFT_YIELD_PRIOR, merge.PRIOR_STRENGTH]
+        self.by_match = {}
         self._proposed = None
         self._offered = []
-        self._drafted = False
+        self._round = None
 
     def advance(self, new_tokens: torch.Tensor, aux: torch.Tensor | None) -> None:
         self.settle(new_tokens.tolist())
@@ -349,11 +352,19 @@ class HybridDrafter:
     def settle(self, committed: list[int]) -> None:
         if self._offered and committed[: len(self._offered)] != self._offered:
             self.lookup_rejected += 1
-        if self._drafted and (not self._offered or committed[0] != self._offered[0]):
-            self.draft_yield[0] += len(committed) - 1
-            self.draft_yield[1] += 1
+        if self._round is not None and self._offered:
+            stats, drafted = self.by_match.setdefault(self._round[0], [0.0] * 5), self._round[1]
+            accepted = len(committed) - 1
+            shared = next((i for i, (a, b) in enumerate(zip(committed, self._offered)) if a != b),
+                          min(len(committed), len(self._offered)))
+            lookup = min(shared, accepted)
+            stats[0] += 1
+            stats[1] += lookup
+            stats[2] += drafted
+            stats[3] += (accepted - lookup) if drafted else 0
+            stats[4] = 0 if drafted else stats[4] + 1
         self._offered = []
-        self._drafted = False
+        self._round = None
         if self._proposed is not None:
             merge.settle(self.acceptance, *self._proposed, committed)
             self._proposed = None
@@ -372,35 +383,35 @@ class HybridDrafter:
         return self.with_lookup(self.eagle.propose_tree(shape, sampling, generator), shape)
 
     def lookup_alone(self, shape: TreeShape) -> bool:
-        """Whether this tree round goes without the draft (``draft_cost``). The lookup's root branch is expected to
-        accept E tokens (the sum of its path probabilities, by the acceptance so far of lookup tokens at each depth
-        after a match of this length), its first with probability p; where the lookup fails at its first token, the
-        rest of the tree accepted A tokens a round so far (``draft_yield``). With the draft a round yields about
-        1 + E + (1 - p) A tokens at 1 + draft_cost the cost of one without it, which yields 1 + E: the draft is left
-        out when (1 + E) draft_cost >= (1 - p) A. Depends only on committed tokens and past rounds: exact."""
+        """Whether this tree round goes without the draft (``draft_cost``): the lookup's branch alone, as prompt
+        lookup would propose it. Per length of the lookup's match, the sequence's rounds so far say how many of its
+        tokens the lookup accepts (L, all rounds) and how many more the rounds that drafted accepted (G: what the
+        draft's tree and the recycled successors add). A round with them yields about 1 + L + G tokens at
+        1 + draft_cost the cost of one without, which yields 1 + L: the draft is left out when
+        (1 + L) draft_cost >= G, and drafts anyway after ``EXPLORE_ROUNDS`` rounds in a row without, to measure G
+        again. Both rest on committed tokens and past rounds only: exact."""
         if not self.draft_cost:
             return False
-        branch = self.lookup.continuation([], shape.branch_depth)
-        path, expected, first = 1.0, 0.0, 0.0
-        for depth in range(1, branch.numel() + 1):
-            path *= self.acceptance.estimate(("lookup", min(depth, 6), self.lookup.match_length))
-            expected += path
-            first = first or path
-        draft_yield = self.draft_yield[0] / self.draft_yield[1]
-        alone = branch.numel() > 0 and (1 + expected) * self.draft_cost >= (1 - first) * draft_yield
+        if not self.lookup.continuation([], shape.branch_depth).numel():
+            return False
+        key = self.lookup.match_length
+        rounds, lookup, drafted, gain, streak = self.by_match.get(key, [0.0] * 5)
+        prior = merge.PRIOR_STRENGTH
+        lookup = (lookup + prior * DRAFT_GAIN_PRIOR) / (rounds + prior)
+        gain = (gain + prior * DRAFT_GAIN_PRIOR) / (drafted + prior)
+        alone = (1 + lookup) * self.draft_cost >= gain and streak < EXPLORE_ROUNDS
+        self._round = (key, not alone)
         self.lookup_alone_rounds += alone
         return alone
 
     def with_lookup(self, tree: DraftTree, shape: TreeShape, drafted: bool = True) -> DraftTree:
         """The draft's ``tree`` (``drafted``; else an empty tree) with its lookup branches: the context's continuation
-        from the root, and with
-        ``extend``, the continuation after each of the draft's first ``extend`` first tokens (the one that is right
-        then leads into text the context repeats); with ``lookup_nodes`` other occurrences' continuations, with
-        ``recycle`` the recorded successors. With ``budget``, the best ``budget`` nodes of it all
-        (``decode/merge.py``). Trees of sampled children are left as they are."""
+        from the root, and with ``extend``, the continuation after each of the draft's first ``extend`` first tokens
+        (the one that is right then leads into text the context repeats); with ``lookup_nodes`` other occurrences'
+        continuations, with ``recycle`` (when ``drafted``) the recorded successors. With ``budget``, the best
+        ``budget`` nodes of it all (``decode/merge.py``). Trees of sampled children are left as they are."""
         if tree.q is not None:
             return tree
-        self._drafted = drafted
         draft_nodes = tree.size
         tagged = []  # (branch, its nodes' key by depth), for the budget
         branches = [self.lookup.continuation([], shape.branch_depth)]
@@ -426,23 +437,22 @@ class HybridDrafter:
                 tree = with_branch(tree, branch.to(tree.tokens.device))
                 tagged.append((branch, lambda d: ("alternative", min(d, 6))))
             self.alternative_nodes += tree.size - size
-        if self.recycle is not None:
+        if self.recycle is not None and drafted:
             size = tree.size
             for ranks, path in self.recycle.paths(self.lookup.last_token):
                 path = path[: shape.branch_depth]
                 tree = with_branch(tree, torch.tensor(path, device=tree.tokens.device))
                 tagged.append((path, lambda d, ranks=ranks: ("recycle", d, ranks[d - 1])))
             self.recycled_nodes += tree.size - size
-        if self.budget or self.draft_cost:  # the acceptance estimates both use
+        if self.budget:
             keys: list[list] = [[] for _ in range(tree.size)]
             merge.draft_keys(tree, draft_nodes, keys)
             index = merge.node_index(tree)
             for branch, key_of in tagged:
                 merge.tag_branch(keys, index, [int(t) for t in branch], key_of)
-            if self.budget:
-                size = tree.size
-                tree, keys = merge.keep_best(tree, keys, self.acceptance, self.budget)
-                self.pruned_nodes += size - tree.size
+            size = tree.size
+            tree, keys = merge.keep_best(tree, keys, self.acceptance, self.budget)
+            self.pruned_nodes += size - tree.size
             self._proposed = (tree, keys)
         return tree
 

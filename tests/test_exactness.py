@@ -273,7 +273,7 @@ def hybrid_check(verifier, method, batch_size, made=None, runs=None):
         # batch has rows that draft and rows that do not in one round
         made.append(HybridDrafter(eagle(), PromptLookupDrafter(max_ngram=2, min_ngram=1, datastore=store), extend=2,
                                   lookup_nodes=3, recycle=recycle.fresh(), budget=8,
-                                  draft_cost=0.3 * (len(made) % 2)))
+                                  draft_cost=0.6 * (len(made) % 2)))
         return made[-1]
 
     # The lookup branch may reach deeper than the draft's own tree (TreeShape.lookup_depth).

@@ -204,10 +204,12 @@ def test_hybrid_lookup_nodes_adds_the_continuations_most_other_occurrences_share
 
 
 def test_lookup_alone_leaves_the_draft_out_where_the_lookup_is_trusted(verifier):
-    """``draft_cost``: a tree round proposes the lookup alone when (1 + E) draft_cost >= (1 - p) A (``lookup_alone``);
-    the estimates learn from the rounds; decoding stays exact, and the batched hybrid (whose draft reads the skipped
-    rounds' tokens in one block when next asked) decides and proposes as the one-row reference does, a batch whose
-    rows decide differently included."""
+    """``draft_cost``: a tree round proposes the lookup alone when (1 + L) draft_cost >= G, L the lookup's tokens
+    accepted a round and G the draft's tokens beyond them, per match length (``lookup_alone``); the figures learn
+    from the rounds; decoding stays exact, and the batched hybrid (whose draft reads the skipped rounds' tokens in
+    one block when next asked) decides and proposes as the one-row reference does, a batch whose rows decide
+    differently included."""
+    from fledge.decode.drafters import EXPLORE_ROUNDS
     from fledge.decode.loop import generate
 
     draft = random_eagle(verifier)
@@ -218,10 +220,9 @@ def test_lookup_alone_leaves_the_draft_out_where_the_lookup_is_trusted(verifier)
     def hybrid(cost, eagle=EagleDrafter):
         return HybridDrafter(eagle(draft), PromptLookupDrafter(max_ngram=2, min_ngram=2), draft_cost=cost)
 
-    # Before any round: lookup tokens at the prior 0.5 a depth, 4 of them: E = 0.9375, p = 0.5; A = 1 (the prior):
-    # the draft is left out from draft_cost 0.5 / 1.9375 = 0.258 on, never where the lookup has no match.
+    # Before any round L = G = 1 (the priors): the draft is left out from draft_cost 0.5 on, never without a match.
     aux = verifier_aux(verifier, context.tolist())[:-1]
-    for cost, alone in ((0.25, False), (0.27, True)):
+    for cost, alone in ((0.49, False), (0.5, True)):
         made = hybrid(cost, ReferenceEagle)
         made.start(context, aux)
         assert made.lookup_alone(shape) is alone
@@ -230,12 +231,14 @@ def test_lookup_alone_leaves_the_draft_out_where_the_lookup_is_trusted(verifier)
     made = hybrid(100.0, ReferenceEagle)
     made.start(fresh, verifier_aux(verifier, fresh.tolist())[:-1])
     assert not made.lookup_alone(shape)
-    made = hybrid(0.25, ReferenceEagle)
+    made = hybrid(0.3, ReferenceEagle)
     made.start(context, aux)
-    for depth in range(1, 5):  # the lookup's tokens after a 2-token match were accepted: trusted more
-        made.acceptance.count([("lookup", depth, 2)], True)
-    assert made.lookup_alone(shape)
-    made.draft_yield = [20.0, 2.0]  # unless the draft has been adding 10 tokens a round where the lookup failed
+    assert not made.lookup_alone(shape)
+    made.by_match[2] = [2.0, 8.0, 2.0, 0.0, 0.0]  # two rounds at this match length: the lookup took 4 tokens each,
+    assert made.lookup_alone(shape)  # the draft none more: (1 + 2.5) 0.3 >= 0.5
+    made.by_match[2] = [2.0, 8.0, 2.0, 6.0, 0.0]  # unless the draft added 3 tokens a round: G = 2 > 1.05
+    assert not made.lookup_alone(shape)
+    made.by_match[2] = [9.0, 36.0, 2.0, 0.0, EXPLORE_ROUNDS]  # and a round drafts after EXPLORE_ROUNDS without
     assert not made.lookup_alone(shape)
 
     plain = generate_plain(verifier, context, max_new_tokens=MAX_NEW).tokens
@@ -247,7 +250,7 @@ def test_lookup_alone_leaves_the_draft_out_where_the_lookup_is_trusted(verifier)
     assert expected.tokens == got.tokens == plain
     assert got.accepted == expected.accepted and got.tree_nodes == expected.tree_nodes
     assert 0 < batched.lookup_alone_rounds == one.lookup_alone_rounds < len(got.accepted)
-    assert batched.draft_yield[1] > 2  # rounds that drafted were counted
+    assert batched.by_match == one.by_match and sum(s[2] for s in batched.by_match.values()) > 0
     # Two rows that decide differently round by round: the draft runs for one row and not the other.
     rows = [hybrid(0.3), hybrid(0.3)]
     results, _ = generate(verifier, [context, fresh], rows, method="tree", shape=shape, max_new_tokens=MAX_NEW,
