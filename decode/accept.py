@@ -120,11 +120,6 @@ def multi_candidate_accept(
     return -1, int(sample(p, generator))
 
 
-def seeded_generator(device: torch.device, seed: int) -> torch.Generator:
-    """The one seeded generator of a decoding run, on the device its draws are made on."""
-    return torch.Generator(device=device).manual_seed(seed)
-
-
 def pick_token(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> int:
     """The verifier's own next token from logits [V]: argmax, or a sample of its processed distribution."""
     if sampling.greedy:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from fledge.decode.accept import greedy_accept, leviathan_accept, pick_token, walk_greedy, walk_sampled
-from fledge.decode.batch_draft import BatchDrafter, batch_drafter
+from fledge.decode.batch_draft import batch_drafter
 from fledge.decode.proposals import ChainDraft, Drafter, DraftTree, TreeShape
 from fledge.decode.result import DecodeResult, RoundTimer, clock, stop_index
 from fledge.decode.session import VerifierSession
@@ -102,7 +102,7 @@ def generate(
             if method == "plain":
                 logits, aux = session.forward([torch.tensor([roots[r]]) for r in active])
                 timer.lap("verify")
-                outcomes = _plain_outcomes(logits, len(active), sampling, generator)
+                outcomes = _plain_outcomes(logits, sampling, generator)
             else:
                 if method == "chain":
                     drafts = batch.propose_chains([min(num_draft_tokens, b) for b in budgets], sampling, generator)
@@ -168,12 +168,12 @@ def decode_one(model: nn.Module, prompt: torch.Tensor, drafter: Drafter | None =
     return results[0]
 
 
-def _plain_outcomes(logits: torch.Tensor, rows: int, sampling: SamplingParams,
+def _plain_outcomes(logits: torch.Tensor, sampling: SamplingParams,
                     generator: torch.Generator | None) -> list[_Outcome]:
     if sampling.greedy:
         picked = torch.argmax(logits[:, 0], dim=-1).tolist()  # one transfer for all rows
     else:
-        picked = [pick_token(logits[i, 0], sampling, generator) for i in range(rows)]
+        picked = [pick_token(row[0], sampling, generator) for row in logits]
     return [_Outcome(new=[token], kept=[0], proposed=0, nodes=0) for token in picked]
 
 
@@ -207,8 +207,11 @@ def topk_ranks(predicted: torch.Tensor, top_ids: torch.Tensor, accepted: int) ->
     """(depth, rank of the verifier's token among the draft's top-k) for each depth the round reached: depths
     1..accepted+1, as far as there were drafts. A rank of k means "not among the top k"."""
     reached = min(accepted + 1, top_ids.shape[0])
-    hits = top_ids[:reached] == predicted[:reached, None]
-    k = top_ids.shape[1]
-    ranks = torch.where(hits.any(dim=1), hits.int().argmax(dim=1), torch.full((reached,), k, device=hits.device))
-    return list(enumerate(ranks.tolist(), start=1))
+    return list(enumerate(rank_among(top_ids[:reached], predicted[:reached]).tolist(), start=1))
+
+
+def rank_among(top_ids: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """[n] the 0-based rank of each of ``tokens`` [n] in its row of ``top_ids`` [n, k] (best first); k where absent."""
+    hits = top_ids == tokens[:, None]
+    return torch.where(hits.any(dim=1), hits.int().argmax(dim=1), torch.full_like(tokens, top_ids.shape[1]))
 

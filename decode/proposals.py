@@ -194,9 +194,7 @@ def chain_steps(
     exact: a drafted token is still distributed as its q, and an undrafted position is sampled from the verifier.
     """
     logits = stepper.root_logits()
-    draft_ids: list[torch.Tensor] = []
-    qs: list[torch.Tensor] = []
-    tops: list[torch.Tensor] = []
+    draft_ids, qs, tops = [], [], []  # per position: its draft id, q, and top ids
     slot = -1
     temperature = 1.0 if sampling.greedy else sampling.temperature
     for i in range(n):
@@ -218,20 +216,6 @@ def chain_steps(
     q = _q_to_target(torch.stack(qs), stepper.draft_to_target, stepper.target_vocab_size) if qs else None
     top_ids = _to_target(stepper, torch.stack(tops)) if tops else None
     return ChainDraft(tokens=_to_target(stepper, torch.cat(draft_ids)), q=q, top_ids=top_ids)
-
-
-def _children(
-    logq: torch.Tensor, k: int, sampled: bool, generator: torch.Generator | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """[R, Vd] log-probabilities -> ([R, k] child ids, [R, k] their log q), in the order they are to be tried."""
-    k = min(k, logq.shape[-1])
-    if sampled:
-        # Gumbel top-k: the k largest of log q + Gumbel noise are k draws without replacement, in draw order.
-        u = torch.rand(logq.shape, generator=generator, device=logq.device).clamp_min_(1e-20)
-        ids = torch.topk(logq - torch.log(-torch.log(u)), k, dim=-1).indices
-        return ids, logq.gather(-1, ids)
-    values, ids = torch.topk(logq, k, dim=-1)
-    return ids, values
 
 
 def grow_tree(
@@ -257,33 +241,37 @@ def tree_steps(
     q_row_of: dict[int, int] = {-1: 0}  # node index -> row in the q table (-1: the root)
     slot_of: dict[int, int] = {-1: -1}  # node index -> stepper slot of that node
 
-    ids, child_logq = _children(logq, shape.top_k, sampled, generator)
-    valid = torch.isfinite(child_logq[0])
-    level_tokens = ids[0][valid]
-    level_parents = torch.full_like(level_tokens, -1)
-    level_scores = child_logq[0][valid]
-    tokens, parents, scores, depths = [level_tokens], [level_parents], [level_scores], [torch.ones_like(level_tokens)]
-    level_start = 0
-    device = logq.device
-    for depth in range(2, shape.depth + 1):
-        if level_tokens.numel() == 0:
-            break
-        order = torch.sort(level_scores, descending=True, stable=True).indices[: shape.top_k]
-        expanded = (order + level_start).tolist()
-        parent_slots = [slot_of[p] for p in level_parents[order].tolist()]
-        logits, slots = yield parent_slots, _to_target(stepper, level_tokens[order])
-        slot_of.update(zip(expanded, slots))
-        logq = torch.log_softmax(logits.float() / temperature, dim=-1)
+    tokens, parents, scores, depths = [], [], [], []
+    # The nodes whose children the next level holds, with their path confidence: first the root alone.
+    expanded, expanded_scores, level_start = [-1], torch.zeros(1, device=logq.device), 0
+    for depth in range(1, shape.depth + 1):
+        if depth > 1:
+            if level_tokens.numel() == 0:
+                break
+            order = torch.sort(level_scores, descending=True, stable=True).indices[: shape.top_k]
+            expanded, expanded_scores = (order + level_start).tolist(), level_scores[order]
+            parent_slots = [slot_of[p] for p in level_parents[order].tolist()]
+            logits, slots = yield parent_slots, _to_target(stepper, level_tokens[order])
+            slot_of.update(zip(expanded, slots))
+            logq = torch.log_softmax(logits.float() / temperature, dim=-1)
+            if sampled:
+                first_row = sum(len(t) for t in q_tables)
+                q_row_of.update({node: first_row + i for i, node in enumerate(expanded)})
+                q_tables.append(logq.exp())
+            level_start += level_tokens.numel()
+        # Each expanded node's children [R, k] and their log q, in the order they are to be tried: its top k, or k
+        # draws without replacement in draw order (Gumbel top-k: the k largest of log q + Gumbel noise).
+        k = min(shape.top_k, logq.shape[-1])
         if sampled:
-            first_row = sum(len(t) for t in q_tables)
-            q_row_of.update({node: first_row + i for i, node in enumerate(expanded)})
-            q_tables.append(logq.exp())
-        ids, child_logq = _children(logq, shape.top_k, sampled, generator)
+            u = torch.rand(logq.shape, generator=generator, device=logq.device).clamp_min_(1e-20)
+            ids = torch.topk(logq - torch.log(-torch.log(u)), k, dim=-1).indices
+            child_logq = logq.gather(-1, ids)
+        else:
+            child_logq, ids = torch.topk(logq, k, dim=-1)
         valid = torch.isfinite(child_logq).flatten()
-        level_start += level_tokens.numel()
         level_tokens = ids.flatten()[valid]
-        level_parents = torch.tensor(expanded, device=device).repeat_interleave(ids.shape[1])[valid]
-        level_scores = (level_scores[order].unsqueeze(1) + child_logq).flatten()[valid]
+        level_parents = torch.tensor(expanded, device=logq.device).repeat_interleave(ids.shape[1])[valid]
+        level_scores = (expanded_scores.unsqueeze(1) + child_logq).flatten()[valid]
         tokens.append(level_tokens)
         parents.append(level_parents)
         scores.append(level_scores)

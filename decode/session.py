@@ -99,8 +99,10 @@ class VerifierSession:
         aux [B, q, 3H] (or None); row i's entries past q_i are padding."""
         batch, q = len(inputs), max(int(x.numel()) for x in inputs)
         self._block_start = self.width
-        if batch == 1 and (parents is None or parents[0] is None) and self._dense():
-            # One row's chain continues its sequence causally: the model's own mask and positions are this mask.
+        chain = batch == 1 and (parents is None or parents[0] is None)
+        if chain and int(self.starts[0]) == 0 and int(self.ends[0]) == self.width:
+            # One row's chain whose committed entries fill the cache from column 0 (no hole for a mask to hide)
+            # continues its sequence causally: the model's own mask and positions are this mask.
             out = self.model(input_ids=inputs[0].to(self.device).view(1, -1), use_cache=True,
                              **{self._cache_kwarg: self.cache})
             return out.logits.to(self.device), self._aux() if self._captured is not None else None
@@ -122,10 +124,6 @@ class VerifierSession:
         out = self.model(input_ids=ids, position_ids=positions, attention_mask=self._mask(visible, positions),
                          use_cache=True, **{self._cache_kwarg: self.cache})
         return out.logits.to(self.device), self._aux() if self._captured is not None else None
-
-    def _dense(self) -> bool:
-        """One row whose committed entries fill the cache from column 0 (no hole for a mask to hide)."""
-        return self.starts.numel() == 1 and int(self.starts[0]) == 0 and int(self.ends[0]) == self.width
 
     def _aux(self) -> torch.Tensor:
         """[B, q, 3H] the last forward's aux states (with a device_map, the captured layers may sit on other GPUs)."""
@@ -164,9 +162,8 @@ class VerifierSession:
         """Row i keeps the entries ``kept[i]`` (offsets into the last block, ascending; 0 is its root) after its
         committed ones; everything else of the block is dropped. One indexed copy per layer moves all rows; a row
         whose block starts at its end and keeps a prefix of it (batch 1's chains) has nothing to move."""
-        counts = torch.tensor([len(k) for k in kept], dtype=torch.long, device=self.device)
         if all(k == list(range(len(k))) for k in kept) and bool((self.ends == self._block_start).all()):
-            self.ends = self.ends + counts
+            self.ends = self.ends + torch.tensor([len(k) for k in kept], dtype=torch.long, device=self.device)
         else:
             self.ends = move_kept([(layer.keys, layer.values) for layer in self.cache.layers], self.ends,
                                   self._block_start, kept)
@@ -177,17 +174,12 @@ class VerifierSession:
     def keep_rows(self, rows: list[int]) -> None:
         """Only these rows (indices into the current batch, in order) stay; the others' cache goes."""
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        # Columns every remaining row has left behind (before all starts) are dead weight: dropped too.
+        shift = int(self.starts[index].min()) if rows else 0
         for layer in self.cache.layers:
-            layer.keys = layer.keys.index_select(0, index)
-            layer.values = layer.values.index_select(0, index)
-        self.starts, self.ends = self.starts[index], self.ends[index]
-        # Columns every remaining row has left behind (before all starts) are dead weight: drop them.
-        shift = int(self.starts.min()) if rows else 0
-        if shift:
-            for layer in self.cache.layers:
-                layer.keys = layer.keys[:, :, shift:, :].contiguous()
-                layer.values = layer.values[:, :, shift:, :].contiguous()
-            self.starts, self.ends = self.starts - shift, self.ends - shift
+            layer.keys = layer.keys.index_select(0, index)[:, :, shift:, :].contiguous()
+            layer.values = layer.values.index_select(0, index)[:, :, shift:, :].contiguous()
+        self.starts, self.ends = self.starts[index] - shift, self.ends[index] - shift
         extra = self.width - int(self.ends.max()) if rows else 0
         if extra > 0:
             self.cache.crop(-extra)

@@ -1,4 +1,6 @@
-"""``fledge eval eval.batch_size='[1,4,16,64]'``: each drafter's speed-up over plain decoding at the same batch size.
+"""How every evaluation decodes its prompts, B at a time (``decode_groups``; B = 1 included), and the batch sweep's
+table and plot: ``fledge eval eval.batch_size='[1,4,16,64]'``, each drafter's speed-up over plain decoding at the same
+batch size (its entries: ``eval/runner.py``).
 
 Speculation pays less as the batch grows (the verifier's forward stops being memory-bound and checking k drafts per
 row costs more); users need the curve at the batch sizes they serve. For each batch size B, the prompts are decoded
@@ -15,35 +17,24 @@ The EAGLE-3 draft (alone or in the hybrid) proposes for every row in one batched
 
 from __future__ import annotations
 
-import math
+import logging
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from fledge.decode.accept import seeded_generator
 from fledge.decode.loop import generate
 from fledge.decode.proposals import Drafter
 from fledge.decode.result import DecodeResult
 from fledge.eval.hf_baseline import generate_hf_batch
-from fledge.eval.metrics import acceptance_entry, bootstrap_interval, compare_with_reference, median, throughput
-from fledge.eval.ties import TieJudge, greedy_outcome
+from fledge.eval.metrics import throughput
+from fledge.eval.summary import new_figure, save_figure
 from fledge.models.verifier import Verifier
 
-
-def _group_speedup(groups: list[tuple[int, float, int, float]]) -> tuple[float, list[float]]:
-    """(drafter tokens, seconds, plain tokens, seconds) per group -> pooled speed-up and its interval over groups."""
-
-    def pooled(sample: list[tuple[int, float, int, float]]) -> float:
-        tokens, seconds = sum(g[0] for g in sample), sum(g[1] for g in sample)
-        plain_tokens, plain_seconds = sum(g[2] for g in sample), sum(g[3] for g in sample)
-        if not (seconds and plain_seconds and plain_tokens):
-            return math.nan
-        return (tokens / seconds) / (plain_tokens / plain_seconds)
-
-    lo, hi = bootstrap_interval(groups, pooled)
-    return pooled(groups), [lo, hi]
+log = logging.getLogger(__name__)
 
 
 def decode_rows(
@@ -56,95 +47,74 @@ def decode_rows(
     return generate(verifier.model, prompts, rows, method="plain" if rows is None else method,
                     num_draft_tokens=cfg.num_draft_tokens, shape=cfg.tree_shape(), max_new_tokens=max_new_tokens,
                     sampling=cfg.sampling(), stop_ids=stop_ids, aux_layer_ids=aux,
-                    generator=seeded_generator(verifier.device, cfg.seed))
+                    generator=torch.Generator(device=verifier.device).manual_seed(cfg.seed))
 
 
-def evaluate_batched(
-    verifier: Verifier,
-    encoded: list[tuple[Any, torch.Tensor]],
-    drafters: list[tuple[str, Drafter]],
-    methods: dict[str, str],
-    cfg: Any,
-    stop_ids: frozenset[int],
-    judge: TieJudge | None,
-) -> tuple[dict[str, dict[str, Any]], list[DecodeResult]]:
-    """{str(B): {"plain": {...}, "drafters": {name: entry}}} for one prompt set, and the smallest batch size's plain
-    answers in prompt order. With ``judge`` (greedy), each drafter's rows are checked against plain's
-    (``greedy_outcome``)."""
-    out: dict[str, dict[str, Any]] = {}
-    first_plain: list[DecodeResult] = []
-    for size in cfg.batch_sizes():
-        groups = [encoded[i : i + size] for i in range(0, len(encoded), size)]
+@dataclass
+class Decoded:
+    """One decoder's runs over a prompt set: each prompt's result, and (tokens, seconds) per group decoded together
+    (a group of one at batch 1: its prompt's own)."""
 
-        def run(prompts: list[torch.Tensor], name: str | None, max_new_tokens: int) -> tuple[list[DecodeResult], float]:
-            drafter = dict(drafters).get(name) if name else None
-            rows = None if drafter is None else [drafter.fresh() for _ in prompts]
-            return decode_rows(verifier, prompts, rows, methods.get(name), cfg, stop_ids, max_new_tokens)
+    results: list[DecodeResult] = field(default_factory=list)
+    units: list[tuple[int, float]] = field(default_factory=list)
 
-        if cfg.warmup_tokens:
-            first = [ids for _, ids in groups[0]]
-            for name in [None, *(n for n, _ in drafters)]:
-                run(first, name, cfg.warmup_tokens)
-        plain: list[DecodeResult] = []
-        hf: list[DecodeResult] = []
-        rows: dict[str, list[DecodeResult]] = {name: [] for name, _ in drafters}
-        # (tokens, seconds) per group: plain's, generate's and each drafter's
-        plain_units: list[tuple[int, float]] = []
-        hf_units: list[tuple[int, float]] = []
-        units: dict[str, list[tuple[int, float]]] = {name: [] for name, _ in drafters}
-        bar = tqdm(total=len(encoded) * (1 + len(drafters)), desc=f"eval batch {size}", unit="decode")
-        for group in groups:
-            prompts = [ids for _, ids in group]
-            results, elapsed = run(prompts, None, cfg.max_new_tokens)
-            plain += results
-            plain_units.append((sum(len(r.tokens) for r in results), elapsed))
-            if cfg.hf_baseline:
-                # The same group through Hugging Face generate: is the batched plain loop a fair baseline at B?
-                results, elapsed = generate_hf_batch(verifier.model, prompts, max_new_tokens=cfg.max_new_tokens,
-                                                     sampling=cfg.sampling(), stop_ids=stop_ids, seed=cfg.seed)
-                hf += results
-                hf_units.append((sum(len(r.tokens) for r in results), elapsed))
-            bar.update(len(prompts))
-            for name, _ in drafters:
-                results, elapsed = run(prompts, name, cfg.max_new_tokens)
-                rows[name] += results
-                units[name].append((sum(len(r.tokens) for r in results), elapsed))
-                bar.update(len(prompts))
-        bar.close()
-        first_plain = first_plain or plain
-        entry: dict[str, Any] = {"batch_size": size, "groups": len(groups), "plain": throughput(plain_units),
-                                 "drafters": {}}
-        if hf:
-            entry["plain"]["hf_generate"] = throughput(hf_units)
-            if cfg.sampling().greedy:
-                entry["plain"]["hf_generate"]["same_tokens_rate"] = sum(
-                    p.tokens == h.tokens for p, h in zip(plain, hf)) / len(hf)
-            hf_rate = entry["plain"]["hf_generate"]["tokens_per_s"]
-            # fledge's batched plain tokens/s over generate's at the same B: below 1, generate is the faster baseline.
-            entry["plain"]["baseline_vs_hf"] = entry["plain"]["tokens_per_s"] / hf_rate if hf_rate else math.nan
-            # Speed-ups divide by the faster of the two baselines, group by group, as at batch 1.
-            plain_units = [p if not h[1] or (p[1] and p[0] / p[1] >= h[0] / h[1]) else h
-                           for p, h in zip(plain_units, hf_units)]
-        for name, _ in drafters:
-            results = rows[name]
-            d, _, per_prompt_tau = acceptance_entry(results, methods[name], cfg.num_draft_tokens, cfg.tree_depth)
-            per_group = [(*u, *p) for u, p in zip(units[name], plain_units)]
-            speedup, interval = _group_speedup(per_group)
-            group_speedups = [_group_speedup([g])[0] for g in per_group]
-            d.update(**throughput(units[name]), speedup=speedup, speedup_interval=interval,
-                     median_group_speedup=median([x for x in group_speedups if not math.isnan(x)]),
-                     # Per prompt as at batch 1 (``fledge sweep compare`` pairs them): its rounds, and the speed-up
-                     # of the group it was decoded in (a row of a batch has no time of its own).
-                     per_prompt=[{"id": pid, "tokens": len(r.tokens), "rounds": rounds, "committed": committed,
-                                  "speedup": group_speedups[i // size], "group": i // size}
-                                 for i, ((pid, _), r, (committed, rounds)) in
-                                 enumerate(zip(encoded, results, per_prompt_tau))])
-            if judge is not None:
-                d.update(greedy_outcome(judge, encoded, results, plain, cfg.recheck))
-            entry["drafters"][name] = d
-        compare_with_reference(entry["drafters"], units)
-        out[str(size)] = entry
-    return out, first_plain
+    def add(self, results: list[DecodeResult], seconds: float) -> None:
+        self.results += results
+        self.units.append((sum(len(r.tokens) for r in results), seconds))
+
+
+def decode_groups(
+    verifier: Verifier, groups: list[list[torch.Tensor]], drafters: list[tuple[str, Drafter]], methods: dict[str, str],
+    cfg: Any, stop_ids: frozenset[int], desc: str, fresh: bool, deadline: float | None = None, sets_left: int = 1,
+) -> tuple[Decoded, Decoded, dict[str, Decoded]]:
+    """Plain decoding, Hugging Face ``generate`` (with ``eval.hf_baseline``) and each drafter, group after group of
+    prompts, so that a change of the machine's load hits them alike, after an untimed warm-up of each on the first
+    group. With ``fresh``, each row of a group decodes with a ``fresh`` drafter of its own. With ``deadline``
+    (``time.perf_counter``'s), a group starts only while the time so far plus a group's mean fits this set's share of
+    the time left (``sets_left`` sets share it); every set decodes at least one group. Returns plain's, generate's
+    and each drafter's runs."""
+    by_name = dict(drafters)
+
+    def run(prompts: list[torch.Tensor], name: str | None, max_new_tokens: int) -> tuple[list[DecodeResult], float]:
+        drafter = by_name.get(name) if name else None
+        rows = None if drafter is None else [drafter.fresh() for _ in prompts] if fresh else [drafter] * len(prompts)
+        return decode_rows(verifier, prompts, rows, methods.get(name), cfg, stop_ids, max_new_tokens)
+
+    def run_hf(prompts: list[torch.Tensor], max_new_tokens: int) -> tuple[list[DecodeResult], float]:
+        return generate_hf_batch(verifier.model, prompts, max_new_tokens=max_new_tokens, sampling=cfg.sampling(),
+                                 stop_ids=stop_ids, seed=cfg.seed)
+
+    if cfg.warmup_tokens:
+        for name in [None, *by_name]:
+            run(groups[0], name, cfg.warmup_tokens)
+        if cfg.hf_baseline:
+            run_hf(groups[0], cfg.warmup_tokens)
+    plain, hf, runs = Decoded(), Decoded(), {name: Decoded() for name in by_name}
+    start = time.perf_counter()
+    share = None if deadline is None else (deadline - start) / sets_left
+    bar = tqdm(total=sum(len(g) for g in groups), desc=desc, unit="prompt")
+    for prompts in groups:
+        spent = time.perf_counter() - start
+        if share is not None and plain.units and spent + spent / len(plain.units) > share:
+            log.info("%s: %d of %d prompts in %.0f s, the set's share of eval.time_limit_minutes", desc,
+                     len(plain.results), bar.total, spent)
+            break
+        plain.add(*run(prompts, None, cfg.max_new_tokens))
+        if cfg.hf_baseline:
+            hf.add(*run_hf(prompts, cfg.max_new_tokens))
+        for name in by_name:
+            runs[name].add(*run(prompts, name, cfg.max_new_tokens))
+        bar.update(len(prompts))
+    bar.close()
+    return plain, hf, runs
+
+
+def hf_figures(plain: list[DecodeResult], hf: Decoded, greedy: bool) -> dict[str, Any]:
+    """Hugging Face ``generate``'s throughput and (greedy) the share of its outputs equal to plain decoding's."""
+    figures = throughput(hf.units)
+    if greedy:
+        figures["same_tokens_rate"] = sum(p.tokens == h.tokens for p, h in zip(plain, hf.results)) / len(hf.results)
+    return figures
 
 
 def batch_table(report: dict[str, Any]) -> list[str]:
@@ -180,12 +150,7 @@ def batch_figures(report: dict[str, Any]) -> list[str]:
 
 def plot_batch(report: dict[str, Any], path: Path) -> None:
     """Speed-up over plain decoding against the batch size (with 95 % intervals), and tokens/s per method."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig, (left, right) = new_figure(1, 2, figsize=(12, 4.2))
     for set_name, by_size in report["batch_sweep"].items():
         sizes = [int(s) for s in by_size]
         right.plot(sizes, [by_size[str(s)]["plain"]["tokens_per_s"] for s in sizes], marker="o", color="black",
@@ -202,12 +167,8 @@ def plot_batch(report: dict[str, Any], path: Path) -> None:
     for ax, title, ylabel in ((left, "speed-up over plain decoding at the same batch size", "speed-up"),
                               (right, "throughput", "tokens/s (all rows)")):
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch size")
-        ax.set_ylabel(ylabel)
-        ax.set_title(title)
+        ax.set(xlabel="batch size", ylabel=ylabel, title=title)
         ax.grid(alpha=0.3)
     left.legend(fontsize=8)
     right.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)

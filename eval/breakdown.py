@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fledge.decode.loop import rank_among
+from fledge.eval.summary import new_figure, save_figure
 from fledge.models.capture import capture_hidden
 from fledge.models.draft import DraftKVCache
 
@@ -104,16 +106,18 @@ def first_tokens(
     mapping = eagle.draft_to_target
     proposed = top if mapping is None else mapping.to(top.device)[top]
     target = target.to(proposed.device)
-    hit = proposed == target.unsqueeze(-1)
-    ranks = torch.where(hit.any(-1), hit.int().argmax(-1), torch.full_like(target, k))
-    if mapping is None:
-        in_vocab = torch.ones_like(target, dtype=torch.bool)
-    else:
-        holds = torch.zeros(eagle.target_vocab_size, dtype=torch.bool, device=proposed.device)
-        holds[mapping.to(proposed.device)] = True
-        in_vocab = holds[target]
+    ranks, in_vocab = rank_among(proposed, target), in_draft_vocab(eagle, target)
     return [FirstToken(position=j, verifier_prob=float(p), rank=int(r), in_vocab=bool(v), top_k=k)
             for j, (p, r, v) in enumerate(zip(top_prob.tolist(), ranks.tolist(), in_vocab.tolist()))]
+
+
+def in_draft_vocab(eagle: Any, tokens: torch.Tensor) -> torch.Tensor:
+    """Whether the draft vocabulary of ``eagle`` (an ``EagleDrafter``) holds each of ``tokens`` (verifier ids)."""
+    if eagle.draft_to_target is None:
+        return torch.ones_like(tokens, dtype=torch.bool)
+    holds = torch.zeros(eagle.target_vocab_size, dtype=torch.bool, device=tokens.device)
+    holds[eagle.draft_to_target.to(tokens.device)] = True
+    return holds[tokens]
 
 
 def _binned(records: list[FirstToken], key: str, edges: Sequence[float], open_end: bool) -> list[dict[str, Any]]:
@@ -135,9 +139,8 @@ def _binned(records: list[FirstToken], key: str, edges: Sequence[float], open_en
 
 def breakdown(records: list[FirstToken], top_k: int) -> dict[str, Any]:
     """The report's ``first_token`` entry from every position of a prompt set."""
-    counts = {c: 0 for c in CLASSES}
-    for r in records:
-        counts[r.outcome()] += 1
+    outcomes = [r.outcome() for r in records]
+    counts = {c: outcomes.count(c) for c in CLASSES}
     n = len(records)
     shares = {c: counts[c] / n if n else 0.0 for c in CLASSES}
     return {
@@ -191,21 +194,14 @@ def plot_breakdown(report: dict[str, Any], path: Path) -> bool:
     sets = [(name, entry["first_token"]) for name, entry in report.get("sets", {}).items() if "first_token" in entry]
     if not sets:
         return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
+    fig, axes = new_figure(1, 3, figsize=(16, 4.2))
     names = [name for name, _ in sets]
     left = [0.0] * len(sets)
     for c in CLASSES:
         widths = [b["shares"][c] for _, b in sets]
         axes[0].barh(names, widths, left=left, label=c)
         left = [a + w for a, w in zip(left, widths)]
-    axes[0].set_xlim(0, 1)
-    axes[0].set_xlabel("share of answer positions")
-    axes[0].set_title("where the draft's first token fails")
+    axes[0].set(xlim=(0, 1), xlabel="share of answer positions", title="where the draft's first token fails")
     axes[0].legend(fontsize=7, loc="lower right")
     for ax, key, xlabel in ((axes[1], "by_verifier_prob", "verifier's top-1 probability"),
                             (axes[2], "by_position", "position in the answer")):
@@ -214,14 +210,10 @@ def plot_breakdown(report: dict[str, Any], path: Path) -> bool:
             ax.plot(range(len(rows)), [math.nan if r["agreement"] is None else r["agreement"] for r in rows],
                     marker="o", label=name)
         ax.set_xticks(range(len(sets[0][1][key])), [r["bin"] for r in sets[0][1][key]], fontsize=7)
-        ax.set_ylim(0, 1.05)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("draft top-1 agreement")
+        ax.set(ylim=(0, 1.05), xlabel=xlabel, ylabel="draft top-1 agreement")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     axes[1].set_title("agreement against the verifier's certainty")
     axes[2].set_title("agreement along the answer")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
     return True

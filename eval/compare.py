@@ -15,7 +15,6 @@ depend on the machine.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 from fledge.core.errors import ConfigError
@@ -23,24 +22,12 @@ from fledge.eval.metrics import bootstrap_interval, pooled_tau
 from fledge.eval.report import DrafterEntry, EvalReport
 
 
-def load_report(path: str | Path) -> EvalReport:
-    """A ``fledge eval`` report from its ``report.json`` or the folder that holds it."""
-    return EvalReport.load(path)
-
-
-def _has_committed(entry: DrafterEntry) -> bool:
-    return all("committed" in p for p in entry.per_prompt or [])
-
-
 def _per_prompt(entry: DrafterEntry, committed: bool) -> dict[Any, tuple[float, int, float]]:
     """{prompt id: (tokens its rounds committed, rounds, speed-up)}; with ``committed`` false, the output's tokens
     less the prefill's one instead (reports from before ``committed`` was recorded), which falls short of the
     rounds' count where the last round was cut at the length limit or a stop token."""
-    out = {}
-    for p in entry.per_prompt or []:
-        tokens = p["committed"] if committed else max(p["tokens"] - 1, 0)
-        out[p["id"]] = (tokens, p["rounds"], p["speedup"])
-    return out
+    return {p["id"]: (p["committed"] if committed else max(p["tokens"] - 1, 0), p["rounds"], p["speedup"])
+            for p in entry.per_prompt or []}
 
 
 def _pooled_tau(rows: list[tuple[float, int, float]]) -> float:
@@ -62,7 +49,7 @@ def compare_reports(a: EvalReport, b: EvalReport) -> list[dict[str, Any]]:
             continue
         # Both sides count τ the same way: the rounds' committed tokens where both reports have them, else the
         # output's tokens (so an older report does not put a counting difference into the comparison).
-        committed = _has_committed(d_a) and _has_committed(d_b)
+        committed = all("committed" in p for p in d_a.per_prompt + d_b.per_prompt)
         pa, pb = _per_prompt(d_a, committed), _per_prompt(d_b, committed)
         ids = [i for i in pa if i in pb]
         if not ids:
@@ -104,14 +91,10 @@ def compare_lines(rows: list[dict[str, Any]]) -> list[str]:
         lines.append("(τ from each prompt's output tokens less the prefill's one: a report predates per-prompt "
                      "committed tokens, so the τ columns can differ slightly from the reports' own)")
     lines.append("")
-    for r in rows:
-        key = f"{r['set']}/{r['drafter']}"
-        lo, hi = r["tau_diff_interval"]
-        lines.append(f"tau_diff {key} {r['tau_diff']:+.4f} [{lo:+.4f}, {hi:+.4f}]")
-    for r in rows:
-        key = f"{r['set']}/{r['drafter']}"
-        lo, hi = r["speedup_ratio_interval"]
-        lines.append(f"speedup_ratio {key} {r['speedup_ratio']:.4f} [{lo:.4f}, {hi:.4f}]")
+    for label, sign in (("tau_diff", "+"), ("speedup_ratio", "")):
+        for r in rows:
+            lo, hi = r[f"{label}_interval"]
+            lines.append(f"{label} {r['set']}/{r['drafter']} {r[label]:{sign}.4f} [{lo:{sign}.4f}, {hi:{sign}.4f}]")
     return lines
 
 
@@ -121,6 +104,6 @@ def compare_main(argv: list[str]) -> int:
         print("usage: fledge sweep compare A B   (two fledge eval out_dirs or report.json files; B against A, "
               "prompt by prompt)")
         return 2
-    rows = compare_reports(load_report(argv[0]), load_report(argv[1]))
+    rows = compare_reports(EvalReport.load(argv[0]), EvalReport.load(argv[1]))
     print("\n".join([f"B = {argv[1]} against A = {argv[0]}", *compare_lines(rows)]))
     return 0

@@ -39,16 +39,15 @@ def load_answers(source: str, tokenizer, fingerprint: str | None = None) -> list
     return answer_token_ids(conversations, tokenizer)
 
 
-def load_datastore(source: str, tokenizer, max_ngram: int = 4, min_ngram: int = 2,
-                   fingerprint: str | None = None) -> NgramDatastore:
+def load_datastore(source: str, tokenizer, fingerprint: str | None = None) -> NgramDatastore:
     """The datastore of a data source's assistant turns (``load_answers``)."""
     answers = load_answers(source, tokenizer, fingerprint)
-    store = NgramDatastore(answers, max_ngram, min_ngram)
+    store = NgramDatastore(answers)
     if not len(store):
-        raise ConfigError(f"datastore {source!r}: its answers hold no {min_ngram}-gram",
+        raise ConfigError(f"datastore {source!r}: its answers hold no {store.min_ngram}-gram",
                           fix="give a source with assistant turns, or hybrid_datastore=null")
     log.info("datastore %s: %d answers' tokens (%s), %s n-grams (n = %d..%d) in %.1f s", source, len(answers),
-             f"{store.tokens:,}", f"{len(store):,}", min_ngram, max_ngram, store.seconds)
+             f"{store.tokens:,}", f"{len(store):,}", store.min_ngram, store.max_ngram, store.seconds)
     return store
 
 

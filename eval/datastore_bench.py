@@ -17,6 +17,7 @@ import torch
 from fledge.core.errors import ConfigError
 from fledge.decode.drafters import PromptLookupDrafter
 from fledge.eval.datastore import NgramDatastore, answer_token_ids
+from fledge.eval.tune import matched
 
 
 def simulate_lookup(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], lookup: PromptLookupDrafter,
@@ -35,7 +36,7 @@ def simulate_lookup(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], lookup
         while t < len(answer):
             guesses = [lookup.continuation([], num_tokens).tolist()]
             guesses += [g.tolist() for g in lookup.alternatives(num_tokens, alternatives)]
-            k = max(_matched(guess, answer, t) for guess in guesses)
+            k = max(matched(guess, answer, t) for guess in guesses)
             lookup.advance(torch.tensor(answer[t: t + k + 1], dtype=torch.long), None)
             t += k + 1
             rounds += 1
@@ -43,14 +44,6 @@ def simulate_lookup(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], lookup
         tokens += len(answer)
     return {"tau": tokens / rounds if rounds else 0.0, "proposed_per_round": proposed / rounds if rounds else 0.0,
             "rounds": rounds}
-
-
-def _matched(guess: Sequence[int], answer: Sequence[int], t: int) -> int:
-    """How many tokens of ``guess`` match ``answer`` from position ``t`` on."""
-    k = 0
-    while k < len(guess) and t + k < len(answer) and guess[k] == answer[t + k]:
-        k += 1
-    return k
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,9 +77,9 @@ def main(argv: list[str] | None = None) -> int:
               ids(next(m["content"] for m in c if m["role"] == "assistant"))) for c in held]
     print(f"datastore: {store.tokens:,} tokens of {len(kept)} answers, {len(store):,} n-grams "
           f"(n = {args.min_ngram}..{args.max_ngram}), built in {store.seconds:.1f} s; {len(held)} answers held out")
-    rows = [("prompt_lookup", None, 0), ("lookup+datastore", store, 0)]
-    rows += [(f"{name}+{n}alt", datastore, n) for name, datastore in (("prompt_lookup", None), ("lookup+datastore", store))
-             for n in args.alternatives]
+    bases = (("prompt_lookup", None), ("lookup+datastore", store))
+    rows = [(name, datastore, 0) for name, datastore in bases]
+    rows += [(f"{name}+{n}alt", datastore, n) for name, datastore in bases for n in args.alternatives]
     for name, datastore, alternatives in rows:
         lookup = PromptLookupDrafter.matching(args.min_ngram, datastore=datastore)
         figures = simulate_lookup(pairs, lookup, args.tokens, alternatives=alternatives)

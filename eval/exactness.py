@@ -43,10 +43,8 @@ class ChiSquareTest:
         return self.statistic <= self.critical
 
 
-def chi_square(
-    name: str, observed: torch.Tensor, probs: torch.Tensor, significance: float, min_expected: float = 10.0
-) -> ChiSquareTest:
-    """Goodness of fit of ``observed`` counts to ``probs``, pooling bins expected below ``min_expected`` into one.
+def chi_square(name: str, observed: torch.Tensor, probs: torch.Tensor, significance: float) -> ChiSquareTest:
+    """Goodness of fit of ``observed`` counts to ``probs``, pooling bins expected below 10 into one.
 
     The usual rule of thumb is 5; the tail of the statistic is then still heavier than chi-square's, and at a
     1e-3 level that matters, so bins are pooled more eagerly.
@@ -57,7 +55,7 @@ def chi_square(
     impossible = (expected == 0) & (observed > 0)
     if impossible.any():
         return ChiSquareTest(name, math.inf, 1, chi2_critical(1, significance))
-    small = expected < min_expected
+    small = expected < 10.0
     obs = torch.cat([observed[~small], observed[small].sum().view(1)])
     exp = torch.cat([expected[~small], expected[small].sum().view(1)])
     keep = exp > 0
@@ -68,12 +66,11 @@ def chi_square(
 
 
 @torch.inference_mode()
-def exact_joint(
-    verifier: nn.Module, prompt_ids: torch.Tensor, sampling: SamplingParams, positions: int, max_prefixes: int = 70_000
-) -> torch.Tensor:
+def exact_joint(verifier: nn.Module, prompt_ids: torch.Tensor, sampling: SamplingParams, positions: int
+                ) -> torch.Tensor:
     """P(t_1..t_J | prompt) as a [V]*J tensor, by running the verifier on every prefix (one batch per position)."""
     vocab = int(verifier.config.vocab_size)
-    if vocab ** (positions - 1) > max_prefixes:
+    if vocab ** (positions - 1) > 70_000:
         raise ValueError(f"{vocab}^{positions - 1} prefixes to enumerate; use a smaller vocabulary or fewer positions")
     device = next(verifier.parameters()).device
     prompt = prompt_ids.to(device).view(1, -1)
@@ -137,17 +134,16 @@ def exactness_check(
     generator = torch.Generator(device=next(verifier.parameters()).device).manual_seed(seed)
     if method not in ("chain", "tree"):
         raise ValueError(f"method must be chain or tree, got {method!r}")
-    # Generation stops at the checked positions: the loops then trim the first round to positions - 1 drafts (a
-    # round yields one more token than it drafts), which keeps a run at a few verifier calls.
-    max_new_tokens = positions
     counts = torch.zeros([vocab] * positions, dtype=torch.long)
     accepted = calls = 0
     for first in range(0, n_runs, max(batch_size, 1)):
         rows = min(max(batch_size, 1), n_runs - first)
         # The runs as rows of batches (batch 1: one row a call): each row must be distributed as the verifier alone.
+        # Generation stops at the checked positions: the loops then trim the first round to positions - 1 drafts (a
+        # round yields one more token than it drafts), which keeps a run at a few verifier calls.
         results, _ = generate(
             verifier, [prompt_ids] * rows, [drafter_factory() for _ in range(rows)], method=method,
-            num_draft_tokens=num_draft_tokens, shape=tree_shape, max_new_tokens=max_new_tokens, sampling=sampling,
+            num_draft_tokens=num_draft_tokens, shape=tree_shape, max_new_tokens=positions, sampling=sampling,
             aux_layer_ids=aux_layer_ids, generator=generator,
         )
         for result in results:

@@ -15,23 +15,6 @@ from fledge.decode.result import DecodeResult, clock, stop_index
 from fledge.models.sampling import SamplingParams
 
 
-def _generation_config(max_new_tokens: int, sampling: SamplingParams, stop_ids: frozenset[int], pad: int):
-    """A fresh generation config (none of the checkpoint's own defaults, such as a repetition penalty, that plain
-    decoding does not apply): the same sampling, stops and length as fledge's loops."""
-    from transformers import GenerationConfig
-
-    return GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        do_sample=not sampling.greedy,
-        temperature=sampling.temperature if not sampling.greedy else 1.0,
-        top_k=sampling.top_k or None,
-        top_p=sampling.top_p,
-        eos_token_id=sorted(stop_ids) or None,
-        pad_token_id=pad,
-        use_cache=True,
-    )
-
-
 @torch.inference_mode()
 def generate_hf_batch(
     model: nn.Module,
@@ -44,9 +27,16 @@ def generate_hf_batch(
 ) -> tuple[list[DecodeResult], float]:
     """``model.generate`` over the prompts as one left-padded batch, as fledge's batched plain loop decodes them
     (batch 1: one prompt alone): each row's tokens (cut as the other loops cut them) and the batch's wall time."""
+    from transformers import GenerationConfig
+
     device = model.get_input_embeddings().weight.device
     pad = min(stop_ids, default=0)
-    config = _generation_config(max_new_tokens, sampling, stop_ids, pad)
+    # A fresh generation config (none of the checkpoint's own defaults, such as a repetition penalty, that plain
+    # decoding does not apply): the same sampling, stops and length as fledge's loops.
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=not sampling.greedy,
+                              temperature=sampling.temperature if not sampling.greedy else 1.0,
+                              top_k=sampling.top_k or None, top_p=sampling.top_p, eos_token_id=sorted(stop_ids) or None,
+                              pad_token_id=pad, use_cache=True)
     longest = max(int(p.numel()) for p in prompts)
     ids = torch.full((len(prompts), longest), pad, dtype=torch.long)
     mask = torch.zeros((len(prompts), longest), dtype=torch.long)
@@ -59,7 +49,5 @@ def generate_hf_batch(
     start = clock(device)
     out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
     seconds = clock(device) - start
-    results = []
-    for row in out[:, longest:].tolist():
-        results.append(DecodeResult(tokens=row[: stop_index(row, stop_ids, max_new_tokens)], seconds=seconds))
-    return results, seconds
+    return [DecodeResult(tokens=row[: stop_index(row, stop_ids, max_new_tokens)], seconds=seconds)
+            for row in out[:, longest:].tolist()], seconds

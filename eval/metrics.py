@@ -39,21 +39,6 @@ class AcceptanceTrace:
         return self.proposed if self.proposed is not None else [self.num_draft] * len(self.accepted)
 
 
-def trace_depth(method: str, chain_length: int, tree_depth: int, proposed: list[int]) -> int:
-    """N of a drafter's trace: the chain length, or for trees the deepest path any round offered (the draft's own
-    ``tree_depth``, or a hybrid's longer prompt-lookup branch)."""
-    if method != "tree":
-        return chain_length
-    return max([tree_depth, *proposed])
-
-
-def tau(trace: AcceptanceTrace) -> float:
-    """Mean tokens per verifier call (accepted drafts + the verifier's own token)."""
-    if not trace.accepted:
-        return 0.0
-    return sum(a + 1 for a in trace.accepted) / len(trace.accepted)
-
-
 def n_alpha(trace: AcceptanceTrace) -> list[float | None]:
     """[1-α, 2-α, ..., N-α]; None where no round reached that depth with a draft there."""
     out: list[float | None] = []
@@ -126,7 +111,7 @@ def summarize(trace: AcceptanceTrace) -> dict:
     return {
         "rounds": len(trace.accepted),
         "num_draft": trace.num_draft,
-        "tau": tau(trace),
+        "tau": pooled_tau([(sum(a + 1 for a in trace.accepted), len(trace.accepted))]),
         "n_alpha": n_alpha(trace),
         "cumulative_acceptance": cumulative_acceptance(trace),
         "histogram": acceptance_histogram(trace),
@@ -141,22 +126,19 @@ def acceptance_entry(results: Sequence[Any], method: str, chain_length: int, tre
     """What a drafter's rounds accepted over a prompt set's results (each with ``accepted`` and ``proposed`` per
     round), as every evaluation reports it, at batch 1 or B: the method and ``summarize``'s figures, with τ's
     bootstrap interval over prompts; also the pooled trace and each prompt's (committed tokens, rounds)."""
-    num_draft = trace_depth(method, chain_length, tree_depth, [p for r in results for p in r.proposed])
-    trace = AcceptanceTrace(accepted=[a for r in results for a in r.accepted], num_draft=num_draft,
-                            proposed=[p for r in results for p in r.proposed])
+    proposed = [p for r in results for p in r.proposed]
+    # N: the chain length, or for trees the deepest path any round offered (the draft's own ``tree_depth``, or a
+    # hybrid's longer prompt-lookup branch).
+    num_draft = max([tree_depth, *proposed]) if method == "tree" else chain_length
+    trace = AcceptanceTrace(accepted=[a for r in results for a in r.accepted], num_draft=num_draft, proposed=proposed)
     per_prompt = [(sum(a + 1 for a in r.accepted), len(r.accepted)) for r in results]
     entry = {"method": method, **summarize(trace), "tau_interval": list(bootstrap_interval(per_prompt, pooled_tau))}
     return entry, trace, per_prompt
 
 
-def bootstrap_interval(
-    samples: Sequence[Any],
-    statistic: Callable[[Sequence[Any]], float],
-    level: float = 0.95,
-    resamples: int = 2000,
-    seed: int = 0,
-) -> tuple[float, float]:
-    """Percentile bootstrap interval of ``statistic`` over ``samples`` (prompts) drawn with replacement.
+def bootstrap_interval(samples: Sequence[Any], statistic: Callable[[Sequence[Any]], float]) -> tuple[float, float]:
+    """95 % percentile bootstrap interval of ``statistic`` over ``samples`` (prompts) drawn with replacement, from
+    2000 resamples of a seeded generator (the same interval every time).
 
     The unit resampled is the prompt, not the round: rounds of one prompt are not independent (a prompt that
     repeats itself is easy throughout), so an interval over rounds would claim more certainty than the data has.
@@ -167,9 +149,8 @@ def bootstrap_interval(
     if n == 1:
         value = statistic(samples)
         return value, value
-    rng = random.Random(seed)
+    rng, resamples, tail = random.Random(0), 2000, (1.0 - 0.95) / 2.0
     values = sorted(statistic([samples[rng.randrange(n)] for _ in range(n)]) for _ in range(resamples))
-    tail = (1.0 - level) / 2.0
     return values[int(tail * resamples)], values[min(resamples - 1, int((1.0 - tail) * resamples))]
 
 

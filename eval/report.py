@@ -76,10 +76,10 @@ class DrafterEntry:
 class SetReport:
     """One prompt set: plain decoding's figures and every drafter's entry."""
 
-    num_prompts: int
-    baseline: dict[str, Any]
+    num_prompts: int = 0
+    baseline: dict[str, Any] = field(default_factory=dict)
     """Plain decoding: tokens, seconds, tokens/s, the step's seconds (every cost's unit), the HF comparison."""
-    drafters: dict[str, DrafterEntry]
+    drafters: dict[str, DrafterEntry] = field(default_factory=dict)
     prompts_skipped: int | None = None
     """Prompts ``eval.time_limit_minutes`` left out (after the ``num_prompts`` that ran)."""
     draft_vocab_coverage: float | None = None
@@ -95,8 +95,6 @@ class SetReport:
                               fix="give a report.json written by fledge eval")
         fields = _split(cls, record, "figures")
         fields["drafters"] = {name: DrafterEntry.from_json(d) for name, d in (fields.get("drafters") or {}).items()}
-        fields.setdefault("num_prompts", 0)
-        fields.setdefault("baseline", {})
         return cls(**fields)
 
     def to_json(self) -> dict[str, Any]:
@@ -109,11 +107,11 @@ class SetReport:
 class EvalReport:
     """What one ``fledge eval`` (or the runner inside ``fledge tune`` and the quickstart) measured."""
 
-    config: dict[str, Any]
+    config: dict[str, Any] = field(default_factory=dict)
     """The evaluation's settings (``EvalConfig`` as a dict)."""
-    verifier: dict[str, Any]
-    stop_ids: list[int]
-    sets: dict[str, SetReport]
+    verifier: dict[str, Any] = field(default_factory=dict)
+    stop_ids: list[int] = field(default_factory=list)
+    sets: dict[str, SetReport] = field(default_factory=dict)
     draft: dict[str, Any] | None = None
     """The draft evaluated: its folder and vocabulary size (and a sweep's jobs)."""
     datastore: dict[str, Any] | None = None
@@ -135,9 +133,6 @@ class EvalReport:
                               f"{REPORT_FORMAT}", fix="read it with the fledge that wrote it, or upgrade fledge")
         fields = _split(cls, {k: v for k, v in record.items() if k != "format"}, "figures")
         fields["sets"] = {name: SetReport.from_json(s) for name, s in record["sets"].items()}
-        fields.setdefault("config", {})
-        fields.setdefault("verifier", {})
-        fields.setdefault("stop_ids", [])
         return cls(**fields)
 
     def to_json(self) -> dict[str, Any]:

@@ -25,15 +25,15 @@ from fledge.data.template import stop_token_ids
 from fledge.decode.drafters import EagleDrafter, HybridDrafter
 from fledge.decode.proposals import Drafter, TreeShape
 from fledge.decode.result import ROUND_PARTS, DecodeResult
-from fledge.eval.batch_eval import decode_rows, evaluate_batched, plot_batch
-from fledge.eval.breakdown import breakdown, first_tokens, plot_breakdown
-from fledge.eval.hf_baseline import generate_hf_batch
+from fledge.eval.batch_eval import Decoded, decode_groups, hf_figures, plot_batch
+from fledge.eval.breakdown import breakdown, first_tokens, in_draft_vocab, plot_breakdown
 from fledge.eval.metrics import (
     REFERENCE_DRAFTER,
     acceptance_entry,
     bootstrap_interval,
     compare_with_reference,
     median,
+    paired_throughput_ratio,
     predicted_speedup,
     throughput,
     topk_acceptance,
@@ -145,9 +145,7 @@ class EvalConfig:
             sizes = sorted({int(b) for b in raw if float(b) == int(b)})
         except (TypeError, ValueError):
             sizes = []
-        if len(sizes) != len(set(raw)):
-            sizes = []
-        if not sizes or sizes[0] < 1:
+        if not sizes or sizes[0] < 1 or len(sizes) != len(set(raw)):
             raise ConfigError(f"eval.batch_size must be a size >= 1 or a list of them, got {self.batch_size!r}",
                               fix="e.g. eval.batch_size=16 or eval.batch_size='[1,4,16,64]'")
         return sizes
@@ -215,15 +213,6 @@ def draft_verifier_mismatches(config: Eagle3Config, verifier: Verifier) -> list[
     return problems
 
 
-def _run(
-    verifier: Verifier, prompt_ids: torch.Tensor, drafter: Drafter | None, method: str, cfg: EvalConfig,
-    stop_ids: frozenset[int], max_new_tokens: int,
-) -> DecodeResult:
-    results, _ = decode_rows(verifier, [prompt_ids], None if drafter is None else [drafter], method, cfg, stop_ids,
-                             max_new_tokens)
-    return results[0]
-
-
 def _with_methods(drafters: dict[str, Drafter | None], cfg: EvalConfig) -> tuple[list[tuple[str, Drafter]],
                                                                                  dict[str, str]]:
     """The (name, drafter) pairs to run and each one's method: ``eval.method=both`` adds ``<name>-tree`` for every
@@ -285,52 +274,32 @@ def evaluate(
         if not encoded:
             raise ConfigError(f"prompt set {set_name!r} is empty", fix="check prompts and eval.max_prompts")
         if batched:
-            report["sets"][set_name] = _batched_set(verifier, set_name, encoded, drafters, named, methods, cfg,
-                                                    stop_ids, judge, report.setdefault("batch_sweep", {}))
-            continue
-        if cfg.warmup_tokens:
-            first = encoded[0][1]
-            _run(verifier, first, None, "plain", cfg, stop_ids, cfg.warmup_tokens)
-            for name, drafter in named:
-                _run(verifier, first, drafter, methods[name], cfg, stop_ids, cfg.warmup_tokens)
-            if cfg.hf_baseline:
-                _run_hf(verifier, first, cfg, stop_ids, cfg.warmup_tokens)
-        plain: list[DecodeResult] = []
-        hf: list[DecodeResult] = []
-        runs: dict[str, list[DecodeResult]] = {name: [] for name, _ in named}
-        set_start = time.perf_counter()
-        share = None if deadline is None else (deadline - set_start) / (len(sets) - set_index)
-        for _, ids in tqdm(encoded, desc=f"eval {set_name}", unit="prompt"):
-            spent = time.perf_counter() - set_start
-            if share is not None and plain and spent + spent / len(plain) > share:
-                log.info("eval %s: %d of %d prompts in %.0f s, the set's share of eval.time_limit_minutes",
-                         set_name, len(plain), len(encoded), spent)
-                break
-            plain.append(_run(verifier, ids, None, "plain", cfg, stop_ids, cfg.max_new_tokens))
-            if cfg.hf_baseline:
-                hf.append(_run_hf(verifier, ids, cfg, stop_ids, cfg.max_new_tokens))
-            for name, drafter in named:
-                runs[name].append(_run(verifier, ids, drafter, methods[name], cfg, stop_ids, cfg.max_new_tokens))
-        skipped = len(encoded) - len(plain)
-        encoded = encoded[: len(plain)]
-        base = _baseline_summary(plain, hf, greedy)
-        if judge is not None and cfg.recheck:
-            base["recheck"] = recheck_summary(judge, encoded, [r.tokens for r in plain])
-        floors = (_round_floors(verifier, encoded[0][1], set(methods.values()), cfg, aux_ids)
-                  if cfg.round_floor and named else None)
-        set_report = _set_report(verifier, named, encoded, plain, cfg, base, skipped)
-        for name, _ in named:
-            entry = _drafter_summary(runs[name], plain, hf, [pid for pid, _ in encoded], methods[name], cfg, base,
-                                     floors)
-            if judge is not None:
-                entry.update(greedy_outcome(judge, encoded, runs[name], plain, cfg.recheck))
-            set_report["drafters"][name] = entry
-            log.info("%s / %s: %s", set_name, name, one_line(entry))
-            print(f"[eval] {set_name} / {name}: {one_line(entry)}", flush=True)
-        compare_with_reference(set_report["drafters"], {n: _units(res) for n, res in runs.items()})
+            set_report = _batched_set(verifier, set_name, encoded, named, methods, cfg, stop_ids, judge,
+                                      report.setdefault("batch_sweep", {}))
+        else:
+            plain, hf, runs = decode_groups(verifier, [[ids] for _, ids in encoded], named, methods, cfg, stop_ids,
+                                            f"eval {set_name}", fresh=False, deadline=deadline,
+                                            sets_left=len(sets) - set_index)
+            skipped = len(encoded) - len(plain.results)
+            encoded = encoded[: len(plain.results)]
+            base = _baseline_summary(plain, hf, greedy)
+            if judge is not None and cfg.recheck:
+                base["recheck"] = recheck_summary(judge, encoded, [r.tokens for r in plain.results])
+            floors = (_round_floors(verifier, encoded[0][1], set(methods.values()), cfg, aux_ids)
+                      if cfg.round_floor and named else None)
+            set_report = _set_report(verifier, named, encoded, plain.results, cfg, base, skipped)
+            for name, _ in named:
+                entry = _drafter_summary(runs[name], plain.results, hf.results, [pid for pid, _ in encoded],
+                                         methods[name], cfg, base, floors)
+                if judge is not None:
+                    entry.update(greedy_outcome(judge, encoded, runs[name].results, plain.results, cfg.recheck))
+                set_report["drafters"][name] = entry
+                log.info("%s / %s: %s", set_name, name, one_line(entry))
+                print(f"[eval] {set_name} / {name}: {one_line(entry)}", flush=True)
+            compare_with_reference(set_report["drafters"], {n: r.units for n, r in runs.items()})
         for name, drafter in drafters.items():
-            if drafter is None:
-                set_report["drafters"][name] = {"method": "plain", **base}
+            if drafter is None:  # plain decoding under a drafter's name
+                set_report["drafters"][name] = {"method": "plain", **set_report["baseline"]}
         report["sets"][set_name] = set_report
     if judge is not None:
         judge.close()
@@ -368,11 +337,7 @@ def draft_vocab_coverage(named: list[tuple[str, Drafter]], plain: list[DecodeRes
     tokens = [t for r in plain for t in r.tokens]
     if eagle is None or not tokens:
         return None
-    if eagle.draft_to_target is None:
-        return 1.0
-    proposable = torch.zeros(eagle.target_vocab_size, dtype=torch.bool)
-    proposable[eagle.draft_to_target.cpu()] = True
-    return float(proposable[torch.tensor(tokens)].float().mean())
+    return float(in_draft_vocab(eagle, torch.tensor(tokens)).float().mean())
 
 
 def _set_report(
@@ -399,22 +364,49 @@ def _set_report(
 
 
 def _batched_set(
-    verifier: Verifier, set_name: str, encoded: list[tuple[Any, torch.Tensor]], drafters: dict[str, Drafter | None],
-    named: list[tuple[str, Drafter]], methods: dict[str, str], cfg: EvalConfig, stop_ids: frozenset[int],
-    judge: TieJudge | None, sweep: dict[str, Any],
+    verifier: Verifier, set_name: str, encoded: list[tuple[Any, torch.Tensor]], named: list[tuple[str, Drafter]],
+    methods: dict[str, str], cfg: EvalConfig, stop_ids: frozenset[int], judge: TieJudge | None, sweep: dict[str, Any],
 ) -> dict[str, Any]:
-    """The batch sweep of one prompt set (into ``sweep``), and the set's usual entry from its smallest batch size."""
-    by_size, plain = evaluate_batched(verifier, encoded, named, methods, cfg, stop_ids, judge)
-    sweep[set_name] = by_size
-    smallest = by_size[str(cfg.batch_sizes()[0])]
-    base = {**smallest["plain"], "batch_size": smallest["batch_size"], "divides_by": "fledge plain decoding, batched"}
-    set_report = _set_report(verifier, named, encoded, plain, cfg, base)
-    for name, d in smallest["drafters"].items():
-        set_report["drafters"][name] = {**d, "batch_size": smallest["batch_size"]}
-    for name, drafter in drafters.items():
-        if drafter is None:
-            set_report["drafters"][name] = {"method": "plain", **base}
-    for size, entry in by_size.items():
+    """The batch sweep of one prompt set into ``sweep``: {str(B): {"plain": {...}, "drafters": {name: entry}}}, with
+    each drafter's rows checked against plain's with ``judge`` (greedy); and the set's usual entry from its smallest
+    batch size."""
+    by_size: dict[str, dict[str, Any]] = sweep.setdefault(set_name, {})
+    plain: list[DecodeResult] = []
+    for size in cfg.batch_sizes():
+        groups = [[ids for _, ids in encoded[i : i + size]] for i in range(0, len(encoded), size)]
+        decoded, hf, runs = decode_groups(verifier, groups, named, methods, cfg, stop_ids, f"eval batch {size}",
+                                          fresh=True)
+        plain = plain or decoded.results  # the smallest batch size's answers
+        entry: dict[str, Any] = {"batch_size": size, "groups": len(groups), "plain": throughput(decoded.units),
+                                 "drafters": {}}
+        plain_units = decoded.units
+        if hf.results:
+            entry["plain"]["hf_generate"] = hf_figures(decoded.results, hf, cfg.sampling().greedy)
+            hf_rate = entry["plain"]["hf_generate"]["tokens_per_s"]
+            # fledge's batched plain tokens/s over generate's at the same B: below 1, generate is the faster baseline.
+            entry["plain"]["baseline_vs_hf"] = entry["plain"]["tokens_per_s"] / hf_rate if hf_rate else math.nan
+            # Speed-ups divide by the faster of the two baselines, group by group, as at batch 1.
+            plain_units = [p if not h[1] or (p[1] and p[0] / p[1] >= h[0] / h[1]) else h
+                           for p, h in zip(decoded.units, hf.units)]
+        for name, _ in named:
+            results = runs[name].results
+            d, _, per_prompt_tau = acceptance_entry(results, methods[name], cfg.num_draft_tokens, cfg.tree_depth)
+            # Pooled over the groups, with an interval over groups resampled in pairs with plain's.
+            speedup, (lo, hi) = paired_throughput_ratio(runs[name].units, plain_units)
+            group_speedups = [paired_throughput_ratio([u], [p])[0] for u, p in zip(runs[name].units, plain_units)]
+            d.update(**throughput(runs[name].units), speedup=speedup, speedup_interval=[lo, hi],
+                     median_group_speedup=median([x for x in group_speedups if not math.isnan(x)]),
+                     # Per prompt as at batch 1 (``fledge sweep compare`` pairs them): its rounds, and the speed-up
+                     # of the group it was decoded in (a row of a batch has no time of its own).
+                     per_prompt=[{"id": pid, "tokens": len(r.tokens), "rounds": rounds, "committed": committed,
+                                  "speedup": group_speedups[i // size], "group": i // size}
+                                 for i, ((pid, _), r, (committed, rounds)) in
+                                 enumerate(zip(encoded, results, per_prompt_tau))])
+            if judge is not None:
+                d.update(greedy_outcome(judge, encoded, results, decoded.results, cfg.recheck))
+            entry["drafters"][name] = d
+        compare_with_reference(entry["drafters"], {name: r.units for name, r in runs.items()})
+        by_size[str(size)] = entry
         for name, d in entry["drafters"].items():
             lo, hi = d["speedup_interval"]
             vs = d.get(f"vs_{REFERENCE_DRAFTER}")
@@ -423,20 +415,17 @@ def _batched_set(
             print(f"[eval] {set_name} / batch {size} / {name}: {d['method']} tau {d['tau']:.2f}, "
                   f"{d['tokens_per_s']:.1f} tok/s against plain {entry['plain']['tokens_per_s']:.1f}, "
                   f"speed-up {d['speedup']:.2f}x [{lo:.2f}, {hi:.2f}]{paired}", flush=True)
+    smallest = by_size[str(cfg.batch_sizes()[0])]
+    base = {**smallest["plain"], "batch_size": smallest["batch_size"], "divides_by": "fledge plain decoding, batched"}
+    set_report = _set_report(verifier, named, encoded, plain, cfg, base)
+    for name, d in smallest["drafters"].items():
+        set_report["drafters"][name] = {**d, "batch_size": smallest["batch_size"]}
     return set_report
-
-
-def _run_hf(
-    verifier: Verifier, prompt_ids: torch.Tensor, cfg: EvalConfig, stop_ids: frozenset[int], max_new_tokens: int
-) -> DecodeResult:
-    results, _ = generate_hf_batch(verifier.model, [prompt_ids], max_new_tokens=max_new_tokens,
-                                   sampling=cfg.sampling(), stop_ids=stop_ids, seed=cfg.seed)
-    return results[0]
 
 
 def _round_floors(
     verifier: Verifier, prompt_ids: torch.Tensor, methods: set[str], cfg: EvalConfig, aux_ids: list[int] | None
-) -> CostModel | None:
+) -> CostModel:
     """v(k), the bare forward's cost over k tokens in plain decoding steps, measured on the first prompt's KV cache
     with the loop's capture hooks: for every k a chain can check, and spread up to the largest tree."""
     ks = set()
@@ -445,10 +434,7 @@ def _round_floors(
     if "tree" in methods:
         top = cfg.tree_total_tokens + 1 + cfg.tree_shape().branch_depth  # a hybrid's lookup branch adds nodes
         ks |= {1, 2, max(2, top // 4), max(2, top // 2), top}
-    if not ks:
-        return None
-    costs = measure_verify_cost(verifier.model, prompt_ids, sorted(ks), aux_ids)
-    return CostModel(verify_steps=costs, draft_step=0.0)
+    return CostModel(verify_steps=measure_verify_cost(verifier.model, prompt_ids, sorted(ks), aux_ids), draft_step=0.0)
 
 
 def _tokens_per_s(result: DecodeResult) -> float:
@@ -460,36 +446,29 @@ def _median_with_interval(values: list[float]) -> tuple[float, list[float]]:
     return median(values), [lo, hi]
 
 
-def _units(results: list[DecodeResult]) -> list[tuple[int, float]]:
-    return [(len(r.tokens), r.seconds) for r in results]
-
-
-def _baseline_summary(plain: list[DecodeResult], hf: list[DecodeResult], greedy: bool) -> dict:
-    summary = throughput(_units(plain))
+def _baseline_summary(plain: Decoded, hf: Decoded, greedy: bool) -> dict:
+    summary = throughput(plain.units)
     steps = summary["tokens"]  # the prefill leaves the prompt's last token to the first step
     # One decoding step of the verifier (prefill excluded): the unit every cost below is measured in.
-    summary["step_seconds"] = sum(r.verify_seconds for r in plain) / steps if steps else 0.0
+    summary["step_seconds"] = sum(r.verify_seconds for r in plain.results) / steps if steps else 0.0
     summary["divides_by"] = "fledge plain decoding"
-    if hf:
-        ratios = [_tokens_per_s(p) / _tokens_per_s(h) for p, h in zip(plain, hf) if _tokens_per_s(h)]
-        ratio, interval = _median_with_interval(ratios)
-        summary["hf_generate"] = throughput(_units(hf))
-        if greedy:
-            summary["hf_generate"]["same_tokens_rate"] = sum(p.tokens == h.tokens for p, h in zip(plain, hf)) / len(hf)
+    if hf.results:
+        ratios = [_tokens_per_s(p) / _tokens_per_s(h) for p, h in zip(plain.results, hf.results) if _tokens_per_s(h)]
+        summary["hf_generate"] = hf_figures(plain.results, hf, greedy)
         # fledge's plain tokens/s over generate's, prompt by prompt: below 1 means generate is the faster baseline.
-        summary["baseline_vs_hf"] = ratio
-        summary["baseline_vs_hf_interval"] = interval
+        summary["baseline_vs_hf"], summary["baseline_vs_hf_interval"] = _median_with_interval(ratios)
         summary["divides_by"] = "the faster of fledge plain decoding and Hugging Face generate, per prompt"
     return summary
 
 
 def _drafter_summary(
-    results: list[DecodeResult], plain: list[DecodeResult], hf: list[DecodeResult], prompt_ids: list, method: str,
-    cfg: EvalConfig, base: dict, floors: CostModel | None,
+    run: Decoded, plain: list[DecodeResult], hf: list[DecodeResult], prompt_ids: list, method: str, cfg: EvalConfig,
+    base: dict, floors: CostModel | None,
 ) -> dict:
+    results = run.results
     entry, trace, per_prompt_tau = acceptance_entry(results, method, cfg.num_draft_tokens, cfg.tree_depth)
     num_draft = trace.num_draft
-    pooled = throughput(_units(results))
+    pooled = throughput(run.units)
     rounds = max(len(trace.accepted), 1)
     drafted = sum(trace.offered())
     step = base["step_seconds"]
@@ -537,7 +516,21 @@ def _drafter_summary(
                                 "v": {str(k): v for k, v in sorted(floors.verify_steps.items())}}
         entry["round_overhead"] = entry["round_cost_in_steps"] / floor_steps - 1.0 if floor_steps else math.nan
     if method == "tree":
-        entry.update(_tree_accounting(entry, floors is not None))
+        # What a tree round did, by depth, and its predicted speed-up (the chain formulas do not apply to trees). A
+        # round's accepted path has one length (``histogram``); ``reached_depth[d-1]`` is the fraction of rounds whose
+        # path reached depth d, so E = 1 + Σ_d reached_depth is the tokens per round. The round costs v(k) for the k =
+        # nodes + 1 tokens it verified (measured, ``round_floor``; 1 when ``eval.round_floor`` is off) plus its
+        # drafting (depth expansion steps, measured): predicted = E / (v(k) + drafting). The measured speed-up falls
+        # short of it by the loop's own overhead (acceptance, cache compaction, bookkeeping: ``round_overhead``).
+        reached = entry["cumulative_acceptance"]
+        expected = 1.0 + sum(reached)
+        verify = entry["round_floor"]["verify_steps"] if floors is not None else 1.0
+        cost = verify + entry["draft_cost_in_steps"]
+        entry.update(expected_tokens_per_call=expected, predicted_speedup=expected / cost if cost else 0.0,
+                     tree={"path_length_histogram": entry["histogram"], "reached_depth": reached,
+                           "mean_nodes": entry["mean_tree_nodes"], "expansion_cost_in_steps": entry["cost_ratio"],
+                           "verify_steps": verify, "verify_measured": floors is not None,
+                           "predicted_round_cost_in_steps": cost})
     ranks = [pair for r in results for pair in r.topk_ranks]
     if ranks:
         entry["topk_acceptance"] = topk_acceptance(ranks, num_draft, max(r.topk_width for r in results))
@@ -547,31 +540,3 @@ def _drafter_summary(
         entry["topk_rounds"] = [{"tokens": r.tokens, "accepted": r.accepted, "proposed": r.proposed,
                                  "ranks": [rank for _, rank in r.topk_ranks]} for r in results]
     return entry
-
-
-def _tree_accounting(entry: dict, measured_v: bool) -> dict:
-    """What a tree round did, by depth, and its predicted speed-up (the chain formulas do not apply to trees).
-
-    A round's accepted path has one length (``histogram``); ``reached_depth[d-1]`` is the fraction of rounds whose
-    path reached depth d, so E = 1 + Σ_d reached_depth is the tokens per round. The round costs v(k) for the k =
-    nodes + 1 tokens it verified (measured, ``round_floor``; 1 when ``eval.round_floor`` is off) plus its drafting
-    (depth expansion steps, measured): predicted = E / (v(k) + drafting). The measured speed-up falls short of it by
-    the loop's own overhead (acceptance, cache compaction, bookkeeping: ``round_overhead``).
-    """
-    reached = entry["cumulative_acceptance"]
-    expected = 1.0 + sum(reached)
-    verify = entry["round_floor"]["verify_steps"] if measured_v else 1.0
-    cost = verify + entry["draft_cost_in_steps"]
-    return {
-        "expected_tokens_per_call": expected,
-        "predicted_speedup": expected / cost if cost else 0.0,
-        "tree": {
-            "path_length_histogram": entry["histogram"],
-            "reached_depth": reached,
-            "mean_nodes": entry["mean_tree_nodes"],
-            "expansion_cost_in_steps": entry["cost_ratio"],
-            "verify_steps": verify,
-            "verify_measured": measured_v,
-            "predicted_round_cost_in_steps": cost,
-        },
-    }

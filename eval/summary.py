@@ -87,27 +87,40 @@ def stable_figures(report: dict[str, Any]) -> list[str]:
             lines.append(f"baseline_vs_hf {set_name} {base['baseline_vs_hf']:.3f} [{lo:.3f}, {hi:.3f}]")
         if "draft_vocab_coverage" in entry:
             lines.append(f"draft_vocab_coverage {set_name} {entry['draft_vocab_coverage']:.3f}")
-        for name, d in entry.get("drafters", {}).items():
-            if "round_overhead" in d:
-                lines.append(f"round_overhead {set_name}/{name} {d['round_overhead']:.3f}")
-        for name, d in entry.get("drafters", {}).items():
-            if f"vs_{REFERENCE_DRAFTER}" in d:
-                vs = d[f"vs_{REFERENCE_DRAFTER}"]
-                lo, hi = vs["interval"]
-                lines.append(f"vs_{REFERENCE_DRAFTER} {set_name}/{name} {vs['throughput_ratio']:.3f} "
-                             f"[{lo:.3f}, {hi:.3f}]")
+        drafters = entry.get("drafters", {})
+        lines += [f"round_overhead {set_name}/{name} {d['round_overhead']:.3f}" for name, d in drafters.items()
+                  if "round_overhead" in d]
+        lines += [f"vs_{REFERENCE_DRAFTER} {set_name}/{name} {vs['throughput_ratio']:.3f} "
+                  f"[{vs['interval'][0]:.3f}, {vs['interval'][1]:.3f}]"
+                  for name, d in drafters.items() if (vs := d.get(f"vs_{REFERENCE_DRAFTER}"))]
     return lines
 
 
-def plot_acceptance(report: dict, path: Path) -> None:
-    """n-α per depth, cumulative acceptance per depth, and τ against the chain length, one line per drafter."""
+def new_figure(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    """``plt.subplots(*args, **kwargs)`` on matplotlib's Agg backend, which needs no display."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt.subplots(*args, **kwargs)
+
+
+def save_figure(fig: Any, path: Path, dpi: int = 100) -> Path:
+    """Lay ``fig`` out, write it to ``path`` and close it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
+def plot_acceptance(report: dict, path: Path) -> None:
+    """n-α per depth, cumulative acceptance per depth, and τ against the chain length, one line per drafter."""
     from matplotlib.ticker import MaxNLocator
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = new_figure(1, 3, figsize=(15, 4.2))
     for set_name, set_report in report["sets"].items():
         for name, entry in set_report["drafters"].items():
             if entry.get("method") == "plain":
@@ -123,14 +136,10 @@ def plot_acceptance(report: dict, path: Path) -> None:
         ("n-α: P(depth n accepted | all before)", "cumulative: P(≥ n accepted)", "τ if every round drafted at most N"),
         ("n-α", "fraction of verifier calls", "τ (tokens per verifier call)"),
     ):
-        ax.set_title(title)
-        ax.set_xlabel("depth n" if ax is not axes[2] else "N")
-        ax.set_ylabel(ylabel)
+        ax.set(title=title, xlabel="depth n" if ax is not axes[2] else "N", ylabel=ylabel)
         ax.grid(alpha=0.3)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes[0].set_ylim(0, 1.05)
     axes[1].set_ylim(0, 1.05)
     axes[2].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)

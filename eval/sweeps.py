@@ -15,6 +15,7 @@ from fledge.core.files import renamed_file
 from fledge.core.sweep import SWEEP_FILE, sweep_jobs
 from fledge.eval.metrics import REFERENCE_DRAFTER
 from fledge.eval.report import EvalReport
+from fledge.eval.summary import new_figure, save_figure
 
 
 def varying_overrides(per_job: list[list[str]]) -> list[list[str]]:
@@ -108,42 +109,33 @@ def _fmt(value: Any, spec: str) -> str:
     return format(value, spec)
 
 
+def _ratio(value: Any, interval: Any) -> str:
+    if value is None:
+        return "-"
+    lo, hi = interval or (None, None)
+    return f"{value:.2f}x [{_fmt(lo, '.2f')}, {_fmt(hi, '.2f')}]"
+
+
 def table_markdown(rows: list[dict[str, Any]]) -> str:
     head = ("| job | overrides | drafter | τ | speed-up [95% interval] | steps | tokens trained | train min "
             "| held-out acc_0 |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for r in rows:
-        lo, hi = r.get("interval") or (None, None)
-        speed = "-" if r.get("speedup") is None else f"{r['speedup']:.2f}x [{_fmt(lo, '.2f')}, {_fmt(hi, '.2f')}]"
         lines.append(
             f"| {r['job']} | {r['overrides'] or '(defaults)'}{'' if r.get('finished') else ' (unfinished)'} | "
-            f"{r.get('drafter', '-')} | {_fmt(r.get('tau'), '.2f')} | {speed} | {_fmt(r.get('steps'), 'd')} | "
-            f"{_fmt(r.get('tokens'), ',d')} | {_fmt(r.get('minutes'), '.1f')} | {_fmt(r.get('acc_0'), '.3f')} |"
+            f"{r.get('drafter', '-')} | {_fmt(r.get('tau'), '.2f')} | {_ratio(r.get('speedup'), r.get('interval'))} | "
+            f"{_fmt(r.get('steps'), 'd')} | {_fmt(r.get('tokens'), ',d')} | {_fmt(r.get('minutes'), '.1f')} | "
+            f"{_fmt(r.get('acc_0'), '.3f')} |"
         )
     return "\n".join(lines)
 
 
-def _tau_axes(size: tuple[float, float]) -> tuple[Any, Any]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt.subplots(figsize=size)
-
-
 def _save_tau_figure(fig: Any, ax: Any, path: Path) -> Path:
     """τ against training minutes: label the axes, save the PNG, close the figure."""
-    import matplotlib.pyplot as plt
-
-    ax.set_xlabel("training minutes")
-    ax.set_ylabel("acceptance length τ")
+    ax.set(xlabel="training minutes", ylabel="acceptance length τ")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=120)
 
 
 def plot_tau(rows: list[dict[str, Any]], path: Path) -> Path | None:
@@ -151,7 +143,7 @@ def plot_tau(rows: list[dict[str, Any]], path: Path) -> Path | None:
     points = [r for r in rows if r.get("tau") is not None and r.get("minutes") is not None]
     if not points:
         return None
-    fig, ax = _tau_axes((7, 4.5))
+    fig, ax = new_figure(figsize=(7, 4.5))
     for drafter in sorted({r["drafter"] for r in points}):
         mine = [r for r in points if r["drafter"] == drafter]
         ax.scatter([r["minutes"] for r in mine], [r["tau"] for r in mine], label=drafter)
@@ -235,13 +227,6 @@ def budget_table(folders: list[str | Path]) -> list[dict[str, Any]]:
     return table
 
 
-def _ratio(value: Any, interval: Any) -> str:
-    if value is None:
-        return "-"
-    lo, hi = interval or (None, None)
-    return f"{value:.2f}x [{_fmt(lo, '.2f')}, {_fmt(hi, '.2f')}]"
-
-
 def budget_markdown(rows: list[dict[str, Any]]) -> str:
     head = ("| run | budget min | conversations planned | epochs | draft vocab | steps | tokens trained | train min "
             "| wall min "
@@ -266,7 +251,7 @@ def plot_budget(rows: list[dict[str, Any]], path: Path) -> Path | None:
     points = [r for r in rows if r.get("tau") is not None and r.get("minutes") is not None]
     if not points:
         return None
-    fig, ax = _tau_axes((7.5, 4.5))
+    fig, ax = new_figure(figsize=(7.5, 4.5))
     markers = {}
     for set_name, drafter in sorted({(r["set"], r["drafter"]) for r in points}):
         mine = sorted((r for r in points if r["set"] == set_name and r["drafter"] == drafter),

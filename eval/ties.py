@@ -71,9 +71,6 @@ class Divergence:
     threshold: float | None = None
     """What the gap was compared with: 2δ + tolerance·eps·scale."""
 
-    def to_json(self) -> dict:
-        return asdict(self)
-
 
 ROUNDING_BLOCK = 8
 """The second draw of the rounding checks the output in blocks of this many tokens against the cached prompt (and
@@ -231,8 +228,8 @@ def greedy_outcome(
     of every output against the float32 argmax too."""
     divergences = [judge.judge(pid, ids, b.tokens, r.tokens)
                    for (pid, ids), r, b in zip(encoded, results, plain) if r.tokens != b.tokens]
-    ties = [d.to_json() for d in divergences if d.kind == "tie"]
-    mismatches = [d.to_json() for d in divergences if d.kind == "mismatch"]
+    ties = [asdict(d) for d in divergences if d.kind == "tie"]
+    mismatches = [asdict(d) for d in divergences if d.kind == "mismatch"]
     outcome = {
         "greedy_match_rate": 1.0 - len(divergences) / len(results),
         "greedy_exact": len(results) - len(divergences),

@@ -104,16 +104,20 @@ PLAIN = Candidate(name="plain", method="plain", expected_tokens=1.0, round_cost=
 """No speculation: one token per verifier step, by definition 1.0x."""
 
 
-def expected_tokens(n_alpha: Sequence[float | None], num_draft: int) -> float:
-    """E(N) = 1 + Σ_{k=1..N} Π_{i≤k} α_i: the verifier's own token plus each draft depth reached and accepted."""
+def _tokens_per_round(rates: Iterable[float]) -> float:
+    """1 + Σ_k Π_{i≤k} rate_i: the verifier's own token plus each draft depth reached and accepted, from the
+    acceptance rate of each depth given the depth before was accepted. Depths after the rates end add nothing."""
     total, reach = 1.0, 1.0
-    for depth in range(1, num_draft + 1):
-        # A depth no round reached (None, or beyond the measured chain) counts as never accepted: the estimate stays
-        # on the side of what was seen.
-        alpha = n_alpha[depth - 1] if depth <= len(n_alpha) else None
-        reach *= 0.0 if alpha is None else float(alpha)
+    for rate in rates:
+        reach *= rate
         total += reach
     return total
+
+
+def expected_tokens(n_alpha: Sequence[float | None], num_draft: int) -> float:
+    """E(N) = 1 + Σ_{k=1..N} Π_{i≤k} α_i. A depth no round reached (None, or beyond the measured chain) counts as
+    never accepted: the estimate stays on the side of what was seen."""
+    return _tokens_per_round(0.0 if alpha is None else float(alpha) for alpha in n_alpha[:num_draft])
 
 
 def chain_candidate(n_alpha: Sequence[float | None], num_draft: int, cost: CostModel) -> Candidate:
@@ -131,12 +135,7 @@ def tree_expected_tokens(topk: Sequence[Sequence[float] | None], shape: TreeShap
     """E = 1 + Σ_{k=1..d} Π_{i≤k} β_i(w) from the per-depth top-w acceptance (``metrics.topk_acceptance``); a
     depth not measured counts as never accepted, a width beyond the measured one as the widest measured."""
     w = tree_width(shape)
-    total, reach = 1.0, 1.0
-    for depth in range(1, shape.depth + 1):
-        row = topk[depth - 1] if depth <= len(topk) else None
-        reach *= float(row[min(w, len(row)) - 1]) if row else 0.0
-        total += reach
-    return total
+    return _tokens_per_round(float(row[min(w, len(row)) - 1]) if row else 0.0 for row in topk[: shape.depth])
 
 
 def tree_candidate(
@@ -161,10 +160,8 @@ def candidates(
     topk: Sequence[Sequence[float] | None] | None = None,
 ) -> list[Candidate]:
     """Plain decoding, chains N = 1..max_draft, then each (tree shape, its c_tree) predicted from ``topk``."""
-    out = [PLAIN]
-    out += [chain_candidate(n_alpha, n, cost) for n in range(1, max_draft + 1)]
-    out += [tree_candidate(n_alpha, shape, cost, c_tree, topk) for shape, c_tree in trees]
-    return out
+    return [PLAIN, *(chain_candidate(n_alpha, n, cost) for n in range(1, max_draft + 1)),
+            *(tree_candidate(n_alpha, shape, cost, c_tree, topk) for shape, c_tree in trees)]
 
 
 @dataclass(frozen=True)
@@ -197,11 +194,16 @@ def measured_positions(ranks: Sequence[int], accepted: Sequence[int], proposed: 
     out, last = [], ()
     for t, found in enumerate(lookups):
         last = by_start.get(t, last)
-        taken = 0
-        while taken < len(found) and t + taken < len(continuation) and found[taken] == continuation[t + taken]:
-            taken += 1
-        out.append(Position(last, tuple(found), taken))
+        out.append(Position(last, tuple(found), matched(found, continuation, t)))
     return out
+
+
+def matched(guess: Sequence[int], output: Sequence[int], at: int) -> int:
+    """How many tokens of ``guess`` match ``output`` from position ``at`` on: what a greedy round accepts of it."""
+    k = 0
+    while k < len(guess) and at + k < len(output) and guess[k] == output[at + k]:
+        k += 1
+    return k
 
 
 def draft_path_accepted(ranks: Sequence[int], depth: int, width: int) -> int:
@@ -269,9 +271,8 @@ def hybrid_chain_candidate(prompts: Sequence[Sequence[Position]], num_draft: int
 
 
 def recommend(options: Sequence[Candidate]) -> Candidate:
-    """The highest predicted speed-up; on a tie the earlier (simpler) candidate, so plain wins a draw."""
-    if not options:
-        raise ValueError("no candidates to choose from")
+    """The highest predicted speed-up; on a tie the earlier (simpler) candidate, so plain wins a draw (ValueError
+    without candidates)."""
     return max(options, key=lambda option: option.predicted_speedup)  # max keeps the first of equals
 
 
@@ -335,16 +336,10 @@ def relative_costs(seconds: dict[int, float]) -> dict[int, float]:
 
 
 @torch.inference_mode()
-def measure_tree_draft_seconds(
-    model: torch.nn.Module,
-    drafter: Drafter,
-    prompt_ids: torch.Tensor,
-    shape: TreeShape,
-    aux_layer_ids: Sequence[int] | None,
-    repeats: int = 3,
-) -> float:
-    """Seconds of one greedy tree proposal of ``shape`` after the drafter has read the prompt (the fastest of
-    ``repeats``, as for v(k))."""
+def measure_tree_draft_seconds(model: torch.nn.Module, drafter: Drafter, prompt_ids: torch.Tensor, shape: TreeShape,
+                               aux_layer_ids: Sequence[int] | None) -> float:
+    """Seconds of one greedy tree proposal of ``shape`` after the drafter has read the prompt (the fastest of three,
+    as for v(k))."""
     device = next(model.parameters()).device
     with VerifierSession(model, aux_layer_ids if drafter.needs_aux else None) as session:
         auxes = session.prefill([prompt_ids])
@@ -354,7 +349,7 @@ def measure_tree_draft_seconds(
     batch.propose_trees([shape], sampling, None)  # untimed: first-call allocation
     # Each proposal leaves speculative entries behind; advancing by nothing would need aux, so restart instead.
     seconds = []
-    for _ in range(repeats):
+    for _ in range(3):
         batch.start([prompt_ids.cpu()], auxes)
         start = clock(device)
         batch.propose_trees([shape], sampling, None)

@@ -45,14 +45,6 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class TreeCandidateConfig:
-    depth: int
-    top_k: int
-    total_tokens: int
-    """Draft tokens the verifier checks per round (plus the root)."""
-
-
-@dataclass
 class TuneJobConfig(DrafterSettings):
     """``fledge tune``: the drafter keys (``prompt_lookup_max_ngram``, ``hybrid*``, ``draft_min_prob``) are
     ``DrafterSettings``' (``eval/roster.py``), the same as ``fledge eval``'s, and the check (step 4) runs the drafter
@@ -71,10 +63,9 @@ class TuneJobConfig(DrafterSettings):
     """As ``eval.chat_template_kwargs``: the training data's chat-template settings, with each prompt."""
     n_max: int = 8
     """The chain length of the measurement run: α is measured at depths 1..n_max, chains up to it predicted."""
-    tree_shapes: list[TreeCandidateConfig] = field(default_factory=lambda: [
-        TreeCandidateConfig(1, 2, 2), TreeCandidateConfig(1, 4, 4), TreeCandidateConfig(2, 4, 6),
-        TreeCandidateConfig(2, 4, 8), TreeCandidateConfig(3, 2, 4), TreeCandidateConfig(3, 4, 8),
-        TreeCandidateConfig(3, 4, 12), TreeCandidateConfig(4, 4, 16), TreeCandidateConfig(6, 8, 48),
+    tree_shapes: list[TreeShape] = field(default_factory=lambda: [
+        TreeShape(1, 2, 2), TreeShape(1, 4, 4), TreeShape(2, 4, 6), TreeShape(2, 4, 8), TreeShape(3, 2, 4),
+        TreeShape(3, 4, 8), TreeShape(3, 4, 12), TreeShape(4, 4, 16), TreeShape(6, 8, 48),
     ])
     """EAGLE-2 tree shapes to predict; the last is EAGLE-2's default. Depth-1 trees (the draft's top-k first tokens
     in one verifier pass, no draft forward beyond the root) are what a short run's draft affords on a CPU, where
@@ -103,10 +94,6 @@ class TuneJobConfig(DrafterSettings):
         if self.max_prompts < 1 or self.max_new_tokens < 1:
             raise ConfigError(f"max_prompts and max_new_tokens must be >= 1, got {self.max_prompts}, "
                              f"{self.max_new_tokens}")
-        self.shapes()
-
-    def shapes(self) -> list[TreeShape]:
-        return [TreeShape(depth=t.depth, top_k=t.top_k, total_tokens=t.total_tokens) for t in self.tree_shapes]
 
 
 def _eval_config(cfg: TuneJobConfig, out: str | None, **shape: Any) -> EvalConfig:
@@ -140,13 +127,6 @@ def hybrid_positions(records: list[dict[str, Any]], prompt_ids: list[torch.Tenso
     return out
 
 
-def _topk_lines(topk: list | None, shapes: list[TreeShape]) -> list[str]:
-    """β_d(w) at the widths the tree shapes use, one line per width."""
-    widths = sorted({tree_width(s) for s in shapes}) if topk else []
-    return [f"[tune] top-{w} acceptance per depth (trees of width {w}): "
-            + " ".join("-" if row is None else f"{row[min(w, len(row)) - 1]:.2f}" for row in topk) for w in widths]
-
-
 def _candidate_json(c: Candidate) -> dict[str, Any]:
     return {**dataclasses.asdict(c), "predicted_speedup": c.predicted_speedup}
 
@@ -165,7 +145,7 @@ def run(cfg: TuneJobConfig) -> dict[str, Any]:
     #    It also records where the verifier's token ranks among the draft's top-k at each depth: the trees' β.
     measure_cfg = _eval_config(cfg, str(out / "measure") if out else None, method="chain",
                                num_draft_tokens=cfg.n_max)
-    drafter.rank_top_k = max(s.top_k for s in cfg.shapes())
+    drafter.rank_top_k = max(s.top_k for s in cfg.tree_shapes)
     measured = EvalReport.from_json(evaluate(verifier, {"tune": prompts}, {"eagle3": drafter}, measure_cfg))
     drafter.rank_top_k = 0
     entry = measured.sets["tune"].drafters["eagle3"]
@@ -174,9 +154,9 @@ def run(cfg: TuneJobConfig) -> dict[str, Any]:
     step_seconds = measured.sets["tune"].baseline["step_seconds"]
 
     # 2. v(k) on a real prompt's KV cache, for every k a candidate verifies.
-    shapes = cfg.shapes()
-    prompt_ids = encode_prompt(verifier.tokenizer, prompts[0], cfg.chat_template_kwargs)
-    ks = list(range(1, cfg.n_max + 2)) + [s.total_tokens + 1 for s in shapes]
+    encoded = [encode_prompt(verifier.tokenizer, p, cfg.chat_template_kwargs) for p in prompts]
+    prompt_ids = encoded[0]
+    ks = list(range(1, cfg.n_max + 2)) + [s.total_tokens + 1 for s in cfg.tree_shapes]
     verify_steps = measure_verify_cost(verifier.model, prompt_ids, ks, drafter.aux_layer_ids, cfg.verify_repeats)
     bare = CostModel(verify_steps=verify_steps, draft_step=entry.figures["cost_ratio"])
     residual = overhead_from_run(entry.figures["verify_cost_in_steps"], cfg.n_max, bare)
@@ -185,7 +165,7 @@ def run(cfg: TuneJobConfig) -> dict[str, Any]:
 
     # 3. c_tree per shape: a whole tree proposal timed, per expansion step, in baseline steps.
     trees = []
-    for shape in shapes:
+    for shape in cfg.tree_shapes:
         seconds = measure_tree_draft_seconds(verifier.model, drafter, prompt_ids, shape, drafter.aux_layer_ids)
         trees.append((shape, seconds / shape.depth / step_seconds if step_seconds else 0.0))
 
@@ -195,18 +175,19 @@ def run(cfg: TuneJobConfig) -> dict[str, Any]:
         store = (load_datastore(cfg.hybrid_datastore, verifier.tokenizer, fingerprint=verifier.fingerprint)
                  if cfg.hybrid_datastore is not None else None)
         lookup = cfg.lookup(store)
-        branch = max([cfg.num_draft_tokens, cfg.n_max] + [s.depth for s in shapes])
-        encoded = [encode_prompt(verifier.tokenizer, p, cfg.chat_template_kwargs) for p in prompts]
+        branch = max([cfg.num_draft_tokens, cfg.n_max] + [s.depth for s in cfg.tree_shapes])
         positions = hybrid_positions(entry.figures["topk_rounds"], encoded, lookup, branch)
         options += [hybrid_chain_candidate(positions, n, cost) for n in range(1, cfg.n_max + 1)]
         options += [hybrid_tree_candidate(positions, shape, max(shape.depth, cfg.num_draft_tokens), cost, c_tree)
                     for shape, c_tree in trees]
     choice = recommend(options)
     alphas = " ".join("-" if a is None else f"{a:.2f}" for a in entry.n_alpha)
+    widths = sorted({tree_width(s) for s in cfg.tree_shapes}) if topk else []  # β_d(w) at the trees' widths
     lines = [
         "",
         f"[tune] measured at chain N={cfg.n_max} on {len(prompts)} prompts ({dtype}): n-α {alphas}",
-        *_topk_lines(topk, cfg.shapes()),
+        *(f"[tune] top-{w} acceptance per depth (trees of width {w}): "
+          + " ".join("-" if row is None else f"{row[min(w, len(row)) - 1]:.2f}" for row in topk) for w in widths),
         f"[tune] c = {cost.draft_step:.3f} steps per draft token, round overhead o = {overhead:.3f} steps "
         f"(the N={cfg.n_max} run's verification exceeded v({cfg.n_max + 1}) by {residual:.3f}), "
         f"v(k) = " + " ".join(f"{k}:{v:.2f}" for k, v in sorted(verify_steps.items())),

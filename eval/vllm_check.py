@@ -96,13 +96,9 @@ def load_prompt_records(path: Path, n: int) -> list[dict]:
 
 def encode_prompts(tokenizer, records: list[dict]) -> list[list[int]]:
     """fledge's ``encode_prompt``: the first turn as a user message, the template's generation prompt, no specials."""
-    out = []
-    for rec in records:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": rec["turns"][0]}], add_generation_prompt=True, tokenize=False
-        )
-        out.append(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
-    return out
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": rec["turns"][0]}], add_generation_prompt=True,
+                                           tokenize=False) for rec in records]
+    return [list(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in texts]
 
 
 def stop_token_ids(tokenizer, verifier: str) -> list[int]:
@@ -128,30 +124,23 @@ def stop_token_ids(tokenizer, verifier: str) -> list[int]:
 
 
 def run_phase(args: argparse.Namespace) -> None:
-    """One vLLM engine (plain or speculative) over the prompts in ``--phase-in``; writes ``--phase-out``."""
+    """One vLLM engine (plain or speculative) over the prompts and settings in ``--phase-in``; writes
+    ``<phase>.json`` beside it."""
     from vllm import LLM, SamplingParams
 
     spec = json.loads(Path(args.phase_in).read_text())
-    kwargs = dict(
-        model=spec["verifier"],
-        dtype=args.dtype,
-        seed=0,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        enforce_eager=not args.compile,
-        disable_log_stats=False,  # LLM.get_metrics() needs the stat loggers
-    )
+    engine = spec["engine"]
+    # disable_log_stats=False: LLM.get_metrics() needs the stat loggers
+    kwargs = dict(model=spec["verifier"], dtype=engine["dtype"], seed=0, max_model_len=engine["max_model_len"],
+                  max_num_seqs=engine["max_num_seqs"], enforce_eager=not engine["compile"], disable_log_stats=False)
     if args.phase == "spec":
-        kwargs["speculative_config"] = {
-            "method": "eagle3",
-            "model": spec["export"],
-            "num_speculative_tokens": args.k,
-        }
+        kwargs["speculative_config"] = {"method": "eagle3", "model": spec["export"],
+                                        "num_speculative_tokens": engine["k"]}
         kwargs["per_request_spec_decode_metrics"] = "detailed"
     start = time.perf_counter()
     llm = LLM(**kwargs)
     load_s = time.perf_counter() - start
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens, stop_token_ids=spec["stop_ids"],
+    params = SamplingParams(temperature=0.0, max_tokens=engine["max_new_tokens"], stop_token_ids=spec["stop_ids"],
                             detokenize=False)
     prompts = [{"prompt_token_ids": ids} for ids in spec["prompt_ids"]]
     start = time.perf_counter()
@@ -167,19 +156,16 @@ def run_phase(args: argparse.Namespace) -> None:
         results.append(record)
     metrics = {m.name: list(m.values) if hasattr(m, "values") else m.value for m in llm.get_metrics()
                if m.name in SPEC_METRICS}
-    Path(args.phase_out).write_text(json.dumps({
+    Path(args.phase_in).with_name(f"{args.phase}.json").write_text(json.dumps({
         "outputs": results, "metrics": metrics, "load_seconds": load_s, "generate_seconds": gen_s,
-        "engine_kwargs": {k: v for k, v in kwargs.items()},
+        "engine_kwargs": kwargs,
     }))
 
 
-def launch_phase(args: argparse.Namespace, phase: str, spec_path: Path, out_path: Path) -> dict:
+def launch_phase(args: argparse.Namespace, phase: str, spec_path: Path) -> dict:
     """Each engine in a process of its own: the first one's memory and threads are gone before the second starts."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--phase", phase, "--phase-in", str(spec_path),
-           "--phase-out", str(out_path), "-k", str(args.k), "--max-new-tokens", str(args.max_new_tokens),
-           "--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs)]
-    if args.compile:
-        cmd.append("--compile")
+    out_path = spec_path.with_name(f"{phase}.json")
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--phase", phase, "--phase-in", str(spec_path)]
     print(f"vllm_check: {phase} decoding ...", flush=True)
     log_path = out_path.with_suffix(".log")
     with open(log_path, "w") as log:
@@ -284,7 +270,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--verbose", action="store_true", help="show the engines' logs")
     p.add_argument("--phase", choices=["plain", "spec"], help=argparse.SUPPRESS)
     p.add_argument("--phase-in", help=argparse.SUPPRESS)
-    p.add_argument("--phase-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on a CPU: plenty for batch 1
     if args.phase:
@@ -309,22 +294,21 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(exist_ok=True)
     spec_path = work / "inputs.json"
     inputs = json.dumps({"verifier": str(Path(args.verifier).resolve()), "export": str(Path(args.export).resolve()),
-                         "prompt_ids": prompt_ids, "stop_ids": stop_ids})
+                         "prompt_ids": prompt_ids, "stop_ids": stop_ids,
+                         "engine": {"k": args.k, "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
+                                    "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
+                                    "compile": args.compile}})
     spec_path.write_text(inputs)
-    phase_args = json.dumps({"k": args.k, "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
-                             "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
-                             "compile": args.compile})
     stamp = work / "stamp.json"
-    same = args.reuse and stamp.is_file() and stamp.read_text() == inputs + phase_args
+    same = args.reuse and stamp.is_file() and stamp.read_text() == inputs
     if same and (work / "plain.json").is_file() and (work / "spec.json").is_file():
         print(f"vllm_check: reusing the decodings in {work} (same inputs and engine settings)", flush=True)
-        plain = json.loads((work / "plain.json").read_text())
-        spec = json.loads((work / "spec.json").read_text())
+        plain, spec = (json.loads((work / f"{phase}.json").read_text()) for phase in ("plain", "spec"))
     else:
         stamp.unlink(missing_ok=True)
-        plain = launch_phase(args, "plain", spec_path, work / "plain.json")
-        spec = launch_phase(args, "spec", spec_path, work / "spec.json")
-        stamp.write_text(inputs + phase_args)
+        plain = launch_phase(args, "plain", spec_path)
+        spec = launch_phase(args, "spec", spec_path)
+        stamp.write_text(inputs)
 
     per_prompt = []
     for rec, ids, a, b in zip(records, prompt_ids, plain["outputs"], spec["outputs"]):

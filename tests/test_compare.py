@@ -7,7 +7,7 @@ import json
 import pytest
 
 from fledge.core.errors import ConfigError
-from fledge.eval.compare import compare_lines, compare_main, compare_reports, load_report
+from fledge.eval.compare import compare_lines, compare_main, compare_reports
 from fledge.eval.report import EvalReport
 
 
@@ -72,13 +72,13 @@ def test_compare_refuses_reports_with_nothing_in_common(tmp_path):
     with pytest.raises(ConfigError, match="share no prompt set"):
         compare(_report(A), _report({"code": B["code"]}))
     with pytest.raises(ConfigError, match="no evaluation report"):
-        load_report(tmp_path / "missing")
+        EvalReport.load(tmp_path / "missing")
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not JSON"):
-        load_report(tmp_path / "bad.json")
+        EvalReport.load(tmp_path / "bad.json")
     (tmp_path / "other.json").write_text(json.dumps({"steps": 3}))
     with pytest.raises(ConfigError, match="not a fledge eval report"):
-        load_report(tmp_path / "other.json")
+        EvalReport.load(tmp_path / "other.json")
 
 
 def test_compare_main_prints_the_table(tmp_path, capsys):
@@ -107,10 +107,10 @@ def test_a_report_reads_and_writes_back_unchanged_and_a_newer_format_is_refused(
     written = json.loads(file.read_text())
     assert written.pop("format") == 1  # a report without a format (format 0) has format 1's keys
     assert written == record
-    assert load_report(tmp_path).to_json() == report.to_json()
+    assert EvalReport.load(tmp_path).to_json() == report.to_json()
     (tmp_path / "report.json").write_text(json.dumps({**record, "format": 2}))
     with pytest.raises(ConfigError, match="report format 2; this fledge reads formats up to 1"):
-        load_report(tmp_path)
+        EvalReport.load(tmp_path)
     with pytest.raises(ConfigError, match="not a set report"):
         EvalReport.from_json({"sets": {"mt": [1, 2]}})
     with pytest.raises(ConfigError, match="names no method"):

@@ -75,7 +75,7 @@ def test_a_shallow_hybrid_tree_carries_a_long_lookup_branch(verifier, reference)
     still carries the lookup continuation as deep as ``lookup_depth``; capped by a round's budget; batch 1 and the
     batched hybrid alike; greedy output exact and the trace as deep as the branch."""
     from fledge.core.errors import ConfigError
-    from fledge.eval.metrics import trace_depth
+    from fledge.eval.metrics import acceptance_entry
 
     draft = random_eagle(verifier)
     context = torch.tensor([3, 17, 42, 99, 5, 3, 17, 42, 99, 5, 3, 17])  # "3 17" occurred before: a lookup match
@@ -104,8 +104,8 @@ def test_a_shallow_hybrid_tree_carries_a_long_lookup_branch(verifier, reference)
     result = decode_one(verifier, repeating, hybrid(), method="tree", shape=shape, max_new_tokens=MAX_NEW,
                         aux_layer_ids=AUX_IDS)
     assert result.tokens == plain and max(result.proposed) > 1  # a lookup branch went past the draft's depth 1
-    assert trace_depth("tree", 5, 1, result.proposed) == max(result.proposed)
-    assert trace_depth("chain", 5, 1, result.proposed) == 5
+    assert acceptance_entry([result], "tree", 5, 1)[0]["num_draft"] == max(result.proposed)  # the trace's N
+    assert acceptance_entry([result], "chain", 5, 1)[0]["num_draft"] == 5
     with pytest.raises(ConfigError, match="lookup_depth"):
         TreeShape(depth=1, top_k=1, total_tokens=1, lookup_depth=-1)
 

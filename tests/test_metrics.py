@@ -16,7 +16,6 @@ from fledge.eval.metrics import (
     paired_throughput_ratio,
     predicted_speedup,
     summarize,
-    tau,
     tau_by_length,
 )
 
@@ -26,7 +25,7 @@ TRACE = AcceptanceTrace(accepted=[0, 1, 3, 2, 3, 0], num_draft=3)
 
 def test_tau_is_mean_accepted_plus_one():
     # (1 + 2 + 4 + 3 + 4 + 1) / 6
-    assert tau(TRACE) == pytest.approx(15 / 6)
+    assert summarize(TRACE)["tau"] == pytest.approx(15 / 6)
 
 
 def test_n_alpha_is_conditional_acceptance_per_depth():

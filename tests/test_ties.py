@@ -7,7 +7,7 @@ import torch
 
 from fledge.core.errors import ConfigError
 from fledge.decode.drafters import PromptLookupDrafter
-from fledge.eval import runner
+from fledge.eval import batch_eval, runner
 from fledge.eval.exactness import tiny_verifier
 from fledge.eval.report import EvalReport
 from fledge.eval.runner import EvalConfig, evaluate
@@ -60,7 +60,7 @@ def test_in_bf16_the_rounding_is_measured_against_a_float32_copy(model):
 
 def test_evaluate_reports_ties_and_mismatches_and_the_job_fails_on_a_mismatch(tiny_verifier_dir, monkeypatch):
     verifier = load_verifier(VerifierConfig(name_or_path=str(tiny_verifier_dir), dtype="float32"))
-    real_decode = runner.decode_rows
+    real_decode = batch_eval.decode_rows
 
     def broken_decode(verifier_, prompts, drafters, *args, **kwargs):  # a loop that is not exact: its third token
         results, extra = real_decode(verifier_, prompts, drafters, *args, **kwargs)  # is off by one
@@ -69,7 +69,7 @@ def test_evaluate_reports_ties_and_mismatches_and_the_job_fails_on_a_mismatch(ti
                 result.tokens[2] = (result.tokens[2] + 1) % len(verifier.tokenizer)
         return results, extra
 
-    monkeypatch.setattr(runner, "decode_rows", broken_decode)
+    monkeypatch.setattr(batch_eval, "decode_rows", broken_decode)
     prompts = [{"id": "a", "turns": ["Say hello."]}, {"id": "b", "turns": ["Count to three."]}]
     cfg = EvalConfig(max_new_tokens=6, warmup_tokens=0, hf_baseline=False, round_floor=False, out_dir=None)
     report = evaluate(verifier, {"toy": prompts}, {"lookup": PromptLookupDrafter()}, cfg)
