@@ -51,10 +51,9 @@ def compare_reports(a: EvalReport, b: EvalReport) -> list[dict[str, Any]]:
         # output's tokens (so an older report does not put a counting difference into the comparison).
         committed = all("committed" in p for p in d_a.per_prompt + d_b.per_prompt)
         pa, pb = _per_prompt(d_a, committed), _per_prompt(d_b, committed)
-        ids = [i for i in pa if i in pb]
-        if not ids:
+        pairs = [(pa[i], pb[i]) for i in pa if i in pb]
+        if not pairs:
             continue
-        pairs = [(pa[i], pb[i]) for i in ids]
 
         def tau_diff(sample: list) -> float:
             return _pooled_tau([y for _, y in sample]) - _pooled_tau([x for x, _ in sample])
@@ -64,7 +63,7 @@ def compare_reports(a: EvalReport, b: EvalReport) -> list[dict[str, Any]]:
             return _mean_speedup([y for _, y in sample]) / base if base else math.nan
 
         rows.append({
-            "set": set_name, "drafter": name, "prompts": len(ids),
+            "set": set_name, "drafter": name, "prompts": len(pairs),
             "tau_from": "committed" if committed else "tokens",
             "tau_a": _pooled_tau([x for x, _ in pairs]), "tau_b": _pooled_tau([y for _, y in pairs]),
             "tau_diff": tau_diff(pairs), "tau_diff_interval": list(bootstrap_interval(pairs, tau_diff)),

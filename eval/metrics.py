@@ -51,10 +51,7 @@ def n_alpha(trace: AcceptanceTrace) -> list[float | None]:
 
 def acceptance_histogram(trace: AcceptanceTrace) -> list[int]:
     """counts[k] = number of verifier calls that accepted exactly k drafts, k = 0..N."""
-    counts = [0] * (trace.num_draft + 1)
-    for a in trace.accepted:
-        counts[a] += 1
-    return counts
+    return [trace.accepted.count(k) for k in range(trace.num_draft + 1)]
 
 
 def cumulative_acceptance(trace: AcceptanceTrace) -> list[float]:
