@@ -3,6 +3,8 @@ tests, and the EAGLE-3 draft head."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from fledge.core.errors import ConfigError
@@ -24,6 +26,20 @@ is assumed to accept, before the sequence has shown its own (each weighted as ``
 EXPLORE_ROUNDS = 4
 """``HybridDrafter.lookup_alone``: after this many rounds in a row without the draft at one match length, a round
 drafts anyway, so that the draft's gain there is measured again."""
+
+
+@dataclass
+class MatchRecord:
+    """What one sequence's tree rounds did after lookup matches of one length (``HybridDrafter.lookup_alone``)."""
+
+    rounds: int = 0
+    lookup_tokens: int = 0
+    """Of the lookup's branch, the tokens accepted (all rounds)."""
+    drafted: int = 0
+    """Rounds that drafted."""
+    gain: int = 0
+    """Tokens the rounds that drafted accepted beyond the lookup's."""
+    alone_in_a_row: int = 0
 
 
 class PromptLookupDrafter:
@@ -301,9 +317,8 @@ class HybridDrafter:
         ``lookup_alone`` weighs what the draft would add against it."""
         self.lookup_alone_rounds = 0
         """Tree rounds proposed without the draft (``draft_cost``)."""
-        self.by_match: dict[int, list[float]] = {}
-        """Per length of the lookup's match (0: the datastore's), [rounds, lookup tokens accepted, rounds that
-        drafted, tokens they accepted beyond the lookup's, rounds in a row without the draft] (``lookup_alone``)."""
+        self.by_match: dict[int, MatchRecord] = {}
+        """This sequence's rounds per length of the lookup's match (0: the datastore's), for ``lookup_alone``."""
         self._proposed: tuple[DraftTree, list] | None = None
         self._offered: list[int] = []
         self._round: tuple[int, bool] | None = None
@@ -353,16 +368,16 @@ class HybridDrafter:
         if self._offered and committed[: len(self._offered)] != self._offered:
             self.lookup_rejected += 1
         if self._round is not None and self._offered:
-            stats, drafted = self.by_match.setdefault(self._round[0], [0.0] * 5), self._round[1]
+            record, drafted = self.by_match.setdefault(self._round[0], MatchRecord()), self._round[1]
             accepted = len(committed) - 1
             shared = next((i for i, (a, b) in enumerate(zip(committed, self._offered)) if a != b),
                           min(len(committed), len(self._offered)))
             lookup = min(shared, accepted)
-            stats[0] += 1
-            stats[1] += lookup
-            stats[2] += drafted
-            stats[3] += (accepted - lookup) if drafted else 0
-            stats[4] = 0 if drafted else stats[4] + 1
+            record.rounds += 1
+            record.lookup_tokens += lookup
+            record.drafted += drafted
+            record.gain += (accepted - lookup) if drafted else 0
+            record.alone_in_a_row = 0 if drafted else record.alone_in_a_row + 1
         self._offered = []
         self._round = None
         if self._proposed is not None:
@@ -395,11 +410,10 @@ class HybridDrafter:
         if not self.lookup.continuation([], shape.branch_depth).numel():
             return False
         key = self.lookup.match_length
-        rounds, lookup, drafted, gain, streak = self.by_match.get(key, [0.0] * 5)
-        prior = merge.PRIOR_STRENGTH
-        lookup = (lookup + prior * DRAFT_GAIN_PRIOR) / (rounds + prior)
-        gain = (gain + prior * DRAFT_GAIN_PRIOR) / (drafted + prior)
-        alone = (1 + lookup) * self.draft_cost >= gain and streak < EXPLORE_ROUNDS
+        record, prior = self.by_match.get(key, MatchRecord()), merge.PRIOR_STRENGTH
+        lookup = (record.lookup_tokens + prior * DRAFT_GAIN_PRIOR) / (record.rounds + prior)
+        gain = (record.gain + prior * DRAFT_GAIN_PRIOR) / (record.drafted + prior)
+        alone = (1 + lookup) * self.draft_cost >= gain and record.alone_in_a_row < EXPLORE_ROUNDS
         self._round = (key, not alone)
         self.lookup_alone_rounds += alone
         return alone

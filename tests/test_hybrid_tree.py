@@ -209,7 +209,7 @@ def test_lookup_alone_leaves_the_draft_out_where_the_lookup_is_trusted(verifier)
     from the rounds; decoding stays exact, and the batched hybrid (whose draft reads the skipped rounds' tokens in
     one block when next asked) decides and proposes as the one-row reference does, a batch whose rows decide
     differently included."""
-    from fledge.decode.drafters import EXPLORE_ROUNDS
+    from fledge.decode.drafters import EXPLORE_ROUNDS, MatchRecord
     from fledge.decode.loop import generate
 
     draft = random_eagle(verifier)
@@ -234,11 +234,11 @@ def test_lookup_alone_leaves_the_draft_out_where_the_lookup_is_trusted(verifier)
     made = hybrid(0.3, ReferenceEagle)
     made.start(context, aux)
     assert not made.lookup_alone(shape)
-    made.by_match[2] = [2.0, 8.0, 2.0, 0.0, 0.0]  # two rounds at this match length: the lookup took 4 tokens each,
+    made.by_match[2] = MatchRecord(2, 8, 2, 0)  # two rounds at this match length: the lookup took 4 tokens each,
     assert made.lookup_alone(shape)  # the draft none more: (1 + 2.5) 0.3 >= 0.5
-    made.by_match[2] = [2.0, 8.0, 2.0, 6.0, 0.0]  # unless the draft added 3 tokens a round: G = 2 > 1.05
+    made.by_match[2] = MatchRecord(2, 8, 2, 6)  # unless the draft added 3 tokens a round: G = 2 > 1.05
     assert not made.lookup_alone(shape)
-    made.by_match[2] = [9.0, 36.0, 2.0, 0.0, EXPLORE_ROUNDS]  # and a round drafts after EXPLORE_ROUNDS without
+    made.by_match[2] = MatchRecord(9, 36, 2, 0, EXPLORE_ROUNDS)  # and a round drafts after EXPLORE_ROUNDS without
     assert not made.lookup_alone(shape)
 
     plain = generate_plain(verifier, context, max_new_tokens=MAX_NEW).tokens
@@ -250,7 +250,7 @@ def test_lookup_alone_leaves_the_draft_out_where_the_lookup_is_trusted(verifier)
     assert expected.tokens == got.tokens == plain
     assert got.accepted == expected.accepted and got.tree_nodes == expected.tree_nodes
     assert 0 < batched.lookup_alone_rounds == one.lookup_alone_rounds < len(got.accepted)
-    assert batched.by_match == one.by_match and sum(s[2] for s in batched.by_match.values()) > 0
+    assert batched.by_match == one.by_match and sum(r.drafted for r in batched.by_match.values()) > 0
     # Two rows that decide differently round by round: the draft runs for one row and not the other.
     rows = [hybrid(0.3), hybrid(0.3)]
     results, _ = generate(verifier, [context, fresh], rows, method="tree", shape=shape, max_new_tokens=MAX_NEW,
