@@ -24,16 +24,18 @@ from fledge.core.compile import Compiled
 
 def chunk_terms(
     logits: torch.Tensor, teacher: torch.Tensor, index: torch.Tensor, teacher_top: torch.Tensor,
-    row_weight: torch.Tensor, want_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    row_weight: torch.Tensor, grad: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk's soft cross-entropy, top-1 agreement and logit gradient, written for a compiler: the row
-    reductions (max, sum of exponentials, the dot product with the teacher, the teacher's sum, the argmax) read the
-    logits and the gathered teacher rows once, and the gradient is one more pass. ``torch.compile`` turns it into two
-    loops over [chunk, V] (``train.compile``); run eagerly its temporaries make it slower than ``_eager_terms``.
+    reductions (max, sum of exponentials, the dot product with the teacher, the teacher's sum, the first maximum)
+    read the logits and the gathered teacher rows once, and the gradient is one more pass. ``torch.compile`` turns
+    it into three loops over [chunk, V] (``train.compile``); run eagerly its temporaries make it slower than
+    ``_eager_terms``.
 
     logits [n, V] in the compute dtype; teacher [M, V] float32; index [n] (teacher rows); row_weight [n] in the
-    exact dtype. Returns (CE [n] and the gradient [n, V] of sum(row_weight * CE) in the exact dtype (float32, or
-    float64), rounded to the logits' dtype; agreement [n] bool).
+    exact dtype (float32, or float64); grad: None, or [n, V] in the logits' dtype, which receives the gradient of
+    sum(row_weight * CE) with respect to the logits (computed in the exact dtype, then rounded). Returns (CE [n] in
+    the exact dtype, agreement [n] bool).
     """
     exact = row_weight.dtype
     z = logits.to(exact)
@@ -43,17 +45,20 @@ def chunk_terms(
     mass = target.sum(-1, keepdim=True)
     # -sum(t * (z - lse)) = lse * sum(t) - sum(t * z)
     ce = (lse * mass - (target * z).sum(-1, keepdim=True)).squeeze(-1)
-    correct = z.argmax(-1) == teacher_top[index]
-    if not want_grad:
-        return ce, correct, None
-    grad = (((z - lse).exp() * mass - target) * row_weight[:, None]).to(logits.dtype)
-    return ce, correct, grad
+    # argmax as the first column that reaches the maximum: the same id (first on ties), and a min-reduction
+    # compiles to a vector loop where argmax's (value, index) pairs took 3x as long on an AMX Xeon
+    column = torch.arange(z.shape[1], device=z.device, dtype=torch.int32)
+    first = torch.where(z == top, column, z.shape[1]).amin(-1)
+    correct = first == teacher_top[index]
+    if grad is not None:
+        grad.copy_(((z - lse).exp() * mass - target) * row_weight[:, None])
+    return ce, correct
 
 
 def _eager_terms(
     logits: torch.Tensor, teacher: torch.Tensor, index: torch.Tensor, teacher_top: torch.Tensor,
-    row_weight: torch.Tensor, want_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    row_weight: torch.Tensor, grad: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``chunk_terms`` for eager execution: in-place where it can, at most three [chunk, V] tensors alive."""
     exact = row_weight.dtype
     target = teacher[index].to(exact)
@@ -63,21 +68,39 @@ def _eager_terms(
     logp = z.log_softmax(-1)
     del z
     ce = -(target[:, None, :] @ logp[:, :, None]).view(-1)  # row dot products: no [chunk, V] product
-    if not want_grad:
-        return ce, correct, None
-    # d/dz of -sum(t * log_softmax(z)) is softmax(z) * sum(t) - t; the row's weight is the mean's 1/n times the
-    # step's decay.
-    grad = logp.exp_().mul_(target.sum(-1, keepdim=True)).sub_(target).mul_(row_weight[:, None])
-    return ce, correct, grad.to(logits.dtype)
+    if grad is not None:
+        # d/dz of -sum(t * log_softmax(z)) is softmax(z) * sum(t) - t; the row's weight is the mean's 1/n times the
+        # step's decay.
+        grad.copy_(logp.exp_().mul_(target.sum(-1, keepdim=True)).sub_(target).mul_(row_weight[:, None]))
+    return ce, correct
+
+
+def accumulate(total: torch.Tensor, part: torch.Tensor) -> None:
+    """total += part, cast as it adds (compiled: one pass, where eager ``add_`` first writes a float32 copy)."""
+    total.add_(part)
+
+
+def transposed(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x.T (times ``scale``) in ``dtype``, laid out row-major: compiled, one tiled pass (eager took 3-6x as long)."""
+    return (x.t() if scale is None else x.t() * scale).to(dtype).contiguous()
+
+
+def _eager_transposed(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``transposed`` for eager execution: written straight into the row-major result (no transposed temporary)."""
+    out = torch.empty(x.shape[1], x.shape[0], dtype=dtype, device=x.device)
+    return out.copy_(x.t()) if scale is None else torch.mul(x.t(), scale, out=out)
 
 
 _terms = Compiled(chunk_terms, eager=_eager_terms)
+_accumulate = Compiled(accumulate)
+_transposed = Compiled(transposed, eager=_eager_transposed)
 
 
 class _FusedSoftCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, teacher, teacher_top, index, row_weight, chunk, compute_dtype, want_grad, compiled):
-        n = x.shape[0]
+        n, h = x.shape
+        v = weight.shape[0]
         exact = torch.promote_types(compute_dtype, torch.float32)  # float32, or float64 in the equality tests
         row_weight = row_weight.to(exact)
         need_x = want_grad and ctx.needs_input_grad[0]
@@ -85,41 +108,49 @@ class _FusedSoftCrossEntropy(torch.autograd.Function):
         ce = torch.empty(n, dtype=exact, device=x.device)
         correct = torch.empty(n, dtype=torch.bool, device=x.device)
         grad_x = torch.empty_like(x) if need_x else None
-        grad_w = torch.zeros(weight.shape, dtype=exact, device=weight.device) if need_w else None
-        w = weight.to(compute_dtype)
-        # The logits' product reads the head as [H, V] rows: contiguous, it ran 1.1-1.5x faster than through w.T's
-        # strides on an AMX Xeon in bf16 (docs/design.md, "Training at the hardware's peak").
-        w_t = w.t().contiguous()
+        # The products read and write row-major [H, V] blocks: the head transposed (w_t), the weight gradient
+        # transposed (grad_wt, turned back once in the backward), the input gradient as w_t @ g.T. Each output goes
+        # to a buffer allocated once per call: on a CPU a fresh [chunk, V] output costs its page faults in every
+        # chunk, and these layouts ran the products 1.4-2.3x faster on an AMX Xeon in bf16 (docs/design.md,
+        # "Training at the hardware's peak").
+        w_t = _transposed(weight, compute_dtype, compiled=compiled)
+        rows_max = min(chunk, n)
+        logits_buf = torch.empty(rows_max * v, dtype=compute_dtype, device=x.device)
+        grad_buf = torch.empty(rows_max * v, dtype=compute_dtype, device=x.device) if need_x or need_w else None
+        gxt_buf = torch.empty(h * rows_max, dtype=compute_dtype, device=x.device) if need_x else None
+        grad_wt = torch.zeros(h, v, dtype=exact, device=weight.device) if need_w else None
+        part = torch.empty(h, v, dtype=compute_dtype, device=x.device) if need_w and compute_dtype != exact else None
         with torch.autocast(device_type=x.device.type, enabled=False):
             for start in range(0, n, chunk):
                 rows = slice(start, start + chunk)
                 xc = x[rows].to(compute_dtype)
-                logits = xc @ w_t
-                ce[rows], correct[rows], g = _terms(
-                    logits, teacher, index[rows], teacher_top, row_weight[rows], need_x or need_w, compiled=compiled
+                r = xc.shape[0]
+                logits = torch.mm(xc, w_t, out=logits_buf[: r * v].view(r, v))
+                g = grad_buf[: r * v].view(r, v) if grad_buf is not None else None
+                ce[rows], correct[rows] = _terms(
+                    logits, teacher, index[rows], teacher_top, row_weight[rows], g, compiled=compiled
                 )
-                del logits  # one chunk's [chunk, V] tensors live at a time
-                if g is not None:
-                    if need_x:
-                        grad_x[rows] = (g @ w).to(x.dtype)
-                    if need_w and compute_dtype == exact:
-                        torch.addmm(grad_w, g.T, xc, out=grad_w)  # (addmm_ would escape torch's FLOP counter)
-                    elif need_w:  # one [V, H] product in the compute dtype, summed in float32 (add_ casts as it adds)
-                        grad_w.add_(g.T @ xc)
-                    del g
+                if need_x:
+                    grad_x[rows] = torch.mm(w_t, g.t(), out=gxt_buf[: h * r].view(h, r)).t()
+                if need_w and part is None:
+                    torch.addmm(grad_wt, xc.t(), g, out=grad_wt)  # (addmm_ would escape torch's FLOP counter)
+                elif need_w:  # one [H, V] product in the compute dtype, summed in float32
+                    _accumulate(grad_wt, torch.mm(xc.t().contiguous(), g, out=part), compiled=compiled)
         loss = (ce * row_weight).sum()
-        ctx.save_for_backward(grad_x, grad_w)
+        ctx.save_for_backward(grad_x, grad_wt)
         ctx.weight_dtype = weight.dtype
+        ctx.compiled = compiled
         ctx.mark_non_differentiable(ce, correct)
         return loss, ce, correct
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_ce, _grad_correct):
-        grad_x, grad_w = ctx.saved_tensors
+        grad_x, grad_wt = ctx.saved_tensors
         if grad_x is not None:
             grad_x = grad_x * grad_loss.to(grad_x.dtype)
-        if grad_w is not None:
-            grad_w = (grad_w * grad_loss).to(ctx.weight_dtype)
+        grad_w = None
+        if grad_wt is not None:
+            grad_w = _transposed(grad_wt, ctx.weight_dtype, grad_loss, compiled=ctx.compiled)
         return grad_x, grad_w, None, None, None, None, None, None, None, None
 
 

@@ -243,10 +243,15 @@ def peak_memory(
     # (the teacher's rows: every position a trained token follows, all but each sequence's last)
     teacher_rows = n_tok - job.micro_batch
     forward = (4 * teacher_rows * c.draft_vocab_size + n_tok + 8 * n_tok) + 2 * 4 * n_counted * c.hidden_size
-    chunk = min(job.loss_chunk, n_counted) * c.draft_vocab_size
-    # (the eager terms: fp32 logits, teacher rows and log-probabilities; under autocast the bf16 logits too), and the
-    # head transposed for the logits' product (in the compute dtype)
-    forward += 14 * chunk + 2 * p["lm_head"] if job.dtype == "bf16" else 12 * chunk + 4 * p["lm_head"]
+    rows = min(job.loss_chunk, n_counted)
+    chunk = rows * c.draft_vocab_size
+    # (the chunk's logits and logit-gradient buffers in the compute dtype, and the eager terms' fp32 logits, teacher
+    # rows and log-probabilities), the transposed input-gradient buffer of a chunk, and the head transposed for the
+    # logits' product (in the compute dtype)
+    if job.dtype == "bf16":
+        forward += 16 * chunk + 2 * rows * c.hidden_size + 2 * p["lm_head"]
+    else:
+        forward += 16 * chunk + 4 * rows * c.hidden_size + 4 * p["lm_head"]
     forward += 2 * n_tok * kv * s + 4 * n_tok * c.hidden_size
     if job.dtype == "bf16":
         forward += 2 * n_tok * c.hidden_size + 2 * p["fc"] + 2 * p["lm_head"]

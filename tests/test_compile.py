@@ -88,14 +88,15 @@ def test_a_machine_that_cannot_compile_trains_eagerly_after_one_warning(monkeypa
     first, second = Compiled(chunk_terms), Compiled(lambda x: x.exp().sum(-1))
     g = torch.Generator().manual_seed(0)
     logits, teacher = torch.randn(4, 7, generator=g), torch.randn(3, 7, generator=g).softmax(-1)
-    args = (logits, teacher, torch.tensor([0, 2, 1, 2]), teacher.argmax(-1), torch.rand(4, generator=g), True)
+    grads = torch.empty(4, 7), torch.empty(4, 7)
+    args = (logits, teacher, torch.tensor([0, 2, 1, 2]), teacher.argmax(-1), torch.rand(4, generator=g))
     with caplog.at_level(logging.WARNING, logger="fledge.core.compile"):
-        got = first(*args, compiled=True)
+        got = first(*args, grads[0], compiled=True)
         second(logits, compiled=True)
     warnings = [r.getMessage() for r in caplog.records if r.name == "fledge.core.compile"]
     assert len(warnings) == 1 and "could not compile" in warnings[0] and "C++ compiler" in warnings[0], warnings
     assert "C++ compiler" in compile_failed()
-    for a, b in zip(got, chunk_terms(*args)):
+    for a, b in zip((*got, grads[0]), (*chunk_terms(*args, grads[1]), grads[1])):
         torch.testing.assert_close(a, b)
 
 
