@@ -37,6 +37,35 @@ def test_compiled_loss_equals_eager_in_float64(chunk: int) -> None:
         torch.testing.assert_close(got, want, **TOL)
 
 
+def test_compiled_loss_under_bf16_autocast_matches_eager_and_float64() -> None:
+    """The bf16 path (the head cast and turned once, each chunk's weight gradient in bf16 added into the float32
+    [H, V] accumulator, turned back in the backward), compiled and eager, with ragged chunks: the same loss and
+    agreement, and gradients within bf16 rounding of the float64 reference."""
+    g = torch.Generator().manual_seed(3)
+    x64 = torch.randn(37, 16, generator=g, dtype=torch.float64)
+    w64 = torch.randn(24, 16, generator=g, dtype=torch.float64) * 0.5
+    teacher = (2 * torch.randn(9, 24, generator=g)).softmax(-1)
+    index, row_weight = torch.randint(0, 9, (37,), generator=g), torch.rand(37, generator=g, dtype=torch.float64)
+    ref = fused_soft_cross_entropy(x64.requires_grad_(), w64.requires_grad_(), teacher, index, row_weight, 37)
+    ref_grads = torch.autograd.grad(ref[0], [x64, w64])
+    runs = []
+    for compiled in (False, True):
+        x, w = x64.detach().float().requires_grad_(), w64.detach().float().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fused_soft_cross_entropy(x, w, teacher, index, row_weight, 10, compiled=compiled)
+        runs.append((out, torch.autograd.grad(out[0], [x, w])))
+    assert compile_failed() is None
+    (eager, eager_grads), (comp, comp_grads) = runs
+    torch.testing.assert_close(comp[0], eager[0], rtol=1e-5, atol=1e-6)
+    assert torch.equal(comp[2], eager[2])
+    for got in (eager, comp):
+        torch.testing.assert_close(got[1].double(), ref[1].detach(), rtol=2e-2, atol=2e-2)
+    for grads in (eager_grads, comp_grads):
+        for got, want in zip(grads, ref_grads):
+            assert got.dtype == torch.float32 and got.is_contiguous()
+            torch.testing.assert_close(got.double(), want, rtol=5e-2, atol=2e-2 * float(want.abs().max()))
+
+
 def test_compiled_step_equals_eager() -> None:
     """The whole TTT loss (teacher, fused head and loss, every step's metrics) and every gradient, compiled and eager,
     with a float64 draft; ragged chunks and padded, untrained and dropped positions. The teacher's probabilities are
