@@ -40,6 +40,7 @@ import torch
 from fledge.core.compile import Compiled
 from fledge.core.errors import ConfigError
 from fledge.models.draft import Eagle3Draft
+from fledge.models.fused_ce import first_maximum
 from fledge.models.ttt_attention import ATTENTION_KERNELS, TTTCache
 
 
@@ -238,9 +239,7 @@ def teacher_chunk_terms(
     vocabulary is the whole one) is surely below the best inside one (decided in) or one surely above it (decided
     out). Written for ``torch.compile``, which makes it one pass over each of the two logit blocks."""
     p = logits.softmax(-1)
-    # argmax as the first column that reaches the maximum (a min-reduction vectorises; see models/fused_ce.py)
-    column = torch.arange(p.shape[1], device=p.device, dtype=torch.int32)
-    top = torch.where(p == p.amax(-1, keepdim=True), column, p.shape[1]).amin(-1)
+    top = first_maximum(p, p.amax(-1, keepdim=True))
     probs.copy_(p)
     if fast is None:
         return top, None, None
