@@ -45,6 +45,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from fledge.decode.result import DecodeResult
+from fledge.models.kernels import unpack_linears
 from fledge.models.verifier import cache_kwarg
 
 DEFAULT_TIE_TOLERANCE = 1.0
@@ -130,7 +131,8 @@ class TieJudge:
     @property
     def reference(self) -> nn.Module:
         if self._reference is None:
-            self._reference = copy.deepcopy(self.model).float()
+            # The copy runs torch's default kernels: packed linears (models/kernels.py) keep the weights' dtype.
+            self._reference = unpack_linears(copy.deepcopy(self.model)).float()
         return self._reference
 
     @torch.inference_mode()

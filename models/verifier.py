@@ -108,9 +108,9 @@ class VerifierConfig:
     """Run model code shipped with a checkpoint. Off unless you trust the source."""
     linear_kernel: str = "auto"
     """Kernel of the linear layers when the verifier decodes (eval, tune): ``default`` (torch's), ``onednn``
-    (weights packed once; CPU, fp32), or ``auto``: oneDNN where a short timing on this machine finds it at least
-    10 % faster (``models/kernels.py``). The cache and regeneration always use torch's default, so that what they
-    write never depends on a timing."""
+    (weights packed once; CPU, fp32 or bf16), or ``auto``: oneDNN where a short timing on this machine finds it at
+    least 10 % faster (``models/kernels.py``). The cache and regeneration always use torch's default, so that what
+    they write never depends on a timing."""
     home: str = field(default_factory=default_home)
     """Where converted verifiers (GGUF -> safetensors) are kept; ``$FLEDGE_HOME`` or ``~/.cache/fledge``."""
 

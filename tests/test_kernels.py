@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from fledge.core.errors import ConfigError
+from fledge.eval.ties import TieJudge
 from fledge.models.kernels import choose_linear_kernel, onednn_available, pack_linears, use_linear_kernel
 from fledge.models.verifier import VerifierConfig, load_verifier
 
@@ -45,8 +46,31 @@ def test_the_kernel_is_chosen_where_it_applies(tiny_verifier_dir):
     assert load_verifier(VerifierConfig(**{**cfg.__dict__, "linear_kernel": "onednn"}), decoding=True).linear_kernel == \
         "onednn"
     assert load_verifier(VerifierConfig(**{**cfg.__dict__, "linear_kernel": "onednn"})).linear_kernel == "default"
-    # oneDNN packing is an fp32 CPU path: a bf16 model cannot ask for it, and auto leaves it alone.
-    bf16 = load_verifier(VerifierConfig(name_or_path=str(tiny_verifier_dir), dtype="bfloat16")).model
-    assert use_linear_kernel(bf16, "auto") == "default"
-    with pytest.raises(ConfigError, match="float32 on the CPU"):
-        use_linear_kernel(bf16, "onednn")
+    # oneDNN packing is an fp32 / bf16 CPU path: an fp16 model cannot ask for it, and auto leaves it alone.
+    fp16 = load_verifier(VerifierConfig(name_or_path=str(tiny_verifier_dir), dtype="float16")).model
+    assert use_linear_kernel(fp16, "auto") == "default"
+    with pytest.raises(ConfigError, match="float32 or bfloat16 on the CPU"):
+        use_linear_kernel(fp16, "onednn")
+
+
+def test_packed_bf16_linears_compute_what_the_default_does(tiny_verifier_dir):
+    cfg = VerifierConfig(name_or_path=str(tiny_verifier_dir), dtype="bfloat16")
+    default, packed = load_verifier(cfg), load_verifier(cfg)
+    assert use_linear_kernel(packed.model, "onednn") == "onednn"
+    assert all(m.forward.__func__ is not torch.nn.Linear.forward
+               for m in packed.model.modules() if isinstance(m, torch.nn.Linear))
+    ids = torch.randint(0, 1000, (2, 17), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        expected = default.model(input_ids=ids).logits.float()
+        got = packed.model(input_ids=ids).logits.float()
+    # bf16 products summed in another order: equal to bf16 rounding of the logits' scale, not bitwise.
+    assert (got - expected).abs().max() <= 0.05 * expected.abs().max()
+    assert (got.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
+    # The tie judge's float32 copy of a packed bf16 verifier runs torch's own kernels on float32 weights.
+    reference = TieJudge(packed.model).reference
+    assert all("forward" not in m.__dict__ for m in reference.modules())
+    assert packed.model.model.layers[0].mlp.up_proj.forward.__func__ is not torch.nn.Linear.forward  # still packed
+    with torch.inference_mode():
+        fp32 = reference(input_ids=ids).logits
+        assert fp32.dtype == torch.float32
+        assert torch.allclose(fp32, default.model.float()(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
