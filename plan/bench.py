@@ -189,10 +189,12 @@ def run_fake(cfg: PlanBenchConfig, shape: VerifierShape, draft: Eagle3Config, so
     job = JobShape(draft, shape, cfg.batch_size, cfg.seq_len, cfg.ttt_steps, cfg.dtype)
     memory = predict(job)
     start = time.perf_counter()
-    fake = fake_step(draft, cfg.batch_size, cfg.seq_len, cfg.ttt_steps, cfg.seed, cfg.dtype)
+    fake = fake_step(draft, cfg.batch_size, cfg.seq_len, cfg.ttt_steps, cfg.seed, cfg.dtype, torch_tracker=True)
     seconds = time.perf_counter() - start
     total = fake["persistent_bytes"] + fake["step_bytes"]
     error = 100 * (memory.total - total) / total
+    theirs = fake["torch_peak_bytes"]
+    theirs_error = 100 * (memory.total - theirs) / theirs
     print(f"draft of {cfg.verifier} (shape from {source}): hidden {draft.hidden_size}, vocabulary "
           f"{draft.vocab_size:,}, draft vocabulary {draft.draft_vocab_size:,}, TTT {cfg.ttt_steps}, micro-batch "
           f"{cfg.batch_size} x {cfg.seq_len:,} tokens, {cfg.dtype}, one process, AdamW; one step under fake tensors "
@@ -203,8 +205,11 @@ def run_fake(cfg: PlanBenchConfig, shape: VerifierShape, draft: Eagle3Config, so
     print(f"plan_fake_total_gib {total / GIB:.3f}")
     print(f"plan_fake_predicted_total_gib {memory.total / GIB:.3f}")
     print(f"plan_fake_total_error_pct {error:+.2f}")
+    print(f"plan_fake_torch_tracker_gib {theirs / GIB:.3f}")  # torch.distributed._tools.mem_tracker, same step
+    print(f"plan_fake_torch_tracker_error_pct {theirs_error:+.2f}")
     return {"seq_len": cfg.seq_len, "dtype": cfg.dtype, "fake_step_gib": fake["step_bytes"] / GIB,
             "fake_total_gib": total / GIB, "predicted_total_gib": memory.total / GIB, "total_error_pct": error,
+            "torch_tracker_gib": theirs / GIB, "torch_tracker_error_pct": theirs_error,
             "predicted_step_gib": step_bytes(memory) / GIB, "config": asdict(cfg)}
 
 

@@ -14,11 +14,13 @@ read gave. At the fake step's length a site's count is the straight line through
 (positions counted per step: T - k - 2, rows with a following token: T - 1, teacher rows undecided: 0, the draft
 vocabulary's columns: fixed), exact for the synthetic batch ``fledge bench plan`` uses, on which every position is
 counted; scalar reads replay their calibrated value. Checked: at a length where both run, the fake step's peak
-equals the real step's traced peak byte for byte (``tests/test_plan.py``).
+equals the real step's traced peak byte for byte (``tests/test_plan.py``), and PyTorch's own ``MemTracker``
+watching the fake step counts the same total (``torch_tracker``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import traceback
 from pathlib import Path
 from typing import Any
@@ -127,9 +129,12 @@ def narrow(config: Eagle3Config) -> Eagle3Config:
 
 
 def fake_step(config: Eagle3Config, batch_size: int, seq_len: int, ttt_steps: int, seed: int = 0,
-              dtype: str = "fp32") -> dict[str, int]:
+              dtype: str = "fp32", torch_tracker: bool = False) -> dict[str, int]:
     """The live-byte peak of one training step (above what exists before it) and those persistent bytes, at any
-    shape, with no tensor's data allocated."""
+    shape, with no tensor's data allocated. With ``torch_tracker``, PyTorch's own ``MemTracker``
+    (``torch.distributed._tools.mem_tracker``) watches the same step: ``torch_peak_bytes`` is its peak of everything
+    the step holds (parameters, gradients, AdamW's moments, the batch, the teacher, activations and temporaries), an
+    account independent of ``LiveBytes`` for the same total."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     calibration = Calibration()
@@ -144,8 +149,41 @@ def fake_step(config: Eagle3Config, batch_size: int, seq_len: int, ttt_steps: in
     try:
         with FakeTensorMode(), Answers(calibration):
             engine, batch, tracker, persistent = built_step(config, batch_size, seq_len, ttt_steps, seed, dtype)
-            with tracker:
+            theirs = torch_mem_tracker(engine, batch) if torch_tracker else contextlib.nullcontext()
+            with theirs, tracker:
                 run_step(engine, batch)
     finally:
         torch.nn.Module.to = to
-    return {"step_bytes": tracker.peak, "persistent_bytes": persistent}
+    result = {"step_bytes": tracker.peak, "persistent_bytes": persistent}
+    if torch_tracker:
+        result["torch_peak_bytes"] = sum(snap["Total"] for snap in theirs.get_tracker_snapshot("peak").values())
+    return result
+
+
+def torch_mem_tracker(engine: Any, batch: dict) -> Any:
+    """PyTorch's ``MemTracker`` over the step's module (parameters, buffers, gradients), its optimizer's moments, the
+    batch and the teacher's weights, all made before the step."""
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    class Tracker(MemTracker):
+        """``MemTracker`` hooks every parameter's gradient, which fails on frozen ones (the verifier's embedding, the
+        teacher's head): only those that train get the hook."""
+
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):  # noqa: ANN001, ANN202
+            counts = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+            if install_grad_hooks:
+                for param in module.parameters():
+                    if param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
+                        self._param_to_grad_hook_handles[param] = (
+                            param.register_hook(self._grad),
+                            param.register_post_accumulate_grad_hook(lambda p: self._grad(p.grad)),
+                        )
+            return counts
+
+        def _grad(self, grad: torch.Tensor) -> None:
+            self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+
+    tracker = Tracker()
+    teacher = engine.module.teacher
+    tracker.track_external(engine.module, engine.optimizer, *batch.values(), teacher.inside, teacher.outside)
+    return tracker

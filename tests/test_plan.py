@@ -517,8 +517,10 @@ def test_a_fake_step_holds_what_the_real_one_holds(dtype):
         engine, batch, tracker, persistent = built_step(config, 2, length, 3, 0, dtype)
         with tracker:
             run_step(engine, batch)
-        fake = fake_step(config, 2, length, 3, 0, dtype)
-        assert fake == {"step_bytes": tracker.peak, "persistent_bytes": persistent}, length
+        fake = fake_step(config, 2, length, 3, 0, dtype, torch_tracker=True)
+        # PyTorch's own MemTracker, watching the same fake step, counts the same total.
+        assert fake == {"step_bytes": tracker.peak, "persistent_bytes": persistent,
+                        "torch_peak_bytes": persistent + tracker.peak}, length
 
 
 def test_bench_plan_checks_the_plan_at_shapes_no_cpu_holds(capsys):
@@ -526,7 +528,9 @@ def test_bench_plan_checks_the_plan_at_shapes_no_cpu_holds(capsys):
     result = bench_run(PlanBenchConfig(fake=True, seq_len=8192))
     assert result["seq_len"] == 8192 and result["fake_total_gib"] > 30
     assert abs(result["total_error_pct"]) < 1, result
+    assert abs(result["torch_tracker_error_pct"]) < 1, result  # torch's MemTracker on the same step
     out = capsys.readouterr().out
     assert "plan_fake_total_error_pct" in out and "plan_fake_total_gib" in out
+    assert "plan_fake_torch_tracker_gib" in out
     with pytest.raises(ConfigError, match="bf16 with fake=true"):
         PlanBenchConfig(dtype="bf16")
