@@ -20,7 +20,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fledge.decode.accept import greedy_accept, leviathan_accept, pick_token, walk_greedy, walk_sampled
+from fledge.decode.accept import (
+    greedy_accept,
+    greedy_tokens,
+    leviathan_accept,
+    pick_token,
+    walk_greedy,
+    walk_sampled,
+)
 from fledge.decode.batch_draft import batch_drafter
 from fledge.decode.proposals import ChainDraft, Drafter, DraftTree, TreeShape
 from fledge.decode.result import DecodeResult, RoundTimer, clock, stop_index
@@ -171,7 +178,7 @@ def decode_one(model: nn.Module, prompt: torch.Tensor, drafter: Drafter | None =
 def _plain_outcomes(logits: torch.Tensor, sampling: SamplingParams,
                     generator: torch.Generator | None) -> list[_Outcome]:
     if sampling.greedy:
-        picked = torch.argmax(logits[:, 0], dim=-1).tolist()  # one transfer for all rows
+        picked = greedy_tokens(logits[:, 0]).tolist()  # one transfer for all rows
     else:
         picked = [pick_token(row[0], sampling, generator) for row in logits]
     return [_Outcome(new=[token], kept=[0], proposed=0, nodes=0) for token in picked]

@@ -11,7 +11,7 @@ import torch
 
 import fledge.decode.accept
 import fledge.decode.loop
-from fledge.decode.accept import leviathan_accept, multi_candidate_accept
+from fledge.decode.accept import greedy_tokens, leviathan_accept, multi_candidate_accept
 from fledge.decode.datastore import NgramDatastore
 from fledge.decode.drafters import HybridDrafter, PromptLookupDrafter, RandomDrafter
 from fledge.decode.proposals import ChainDraft, TreeShape, grow_tree, propose_chain_with
@@ -216,6 +216,21 @@ def test_check_fails_a_broken_tree_rule(verifier, monkeypatch):
                              tree_shape=shape)
     print(report.describe())
     assert not report.passed
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_greedy_tokens_break_ties_as_argmax(dtype):
+    """The greedy loops' argmax (``max`` with indices, faster on CPUs) takes the first of equal maxima, as the
+    plain loop's ``torch.argmax``: rows of the verifier's width and others, 2-4 planted maxima anywhere."""
+    gen = torch.Generator().manual_seed(0)
+    for vocab, rows in ((49152, 17), (49152, 1), (32000, 5), (4096, 3), (37, 4)):
+        x = torch.randn(rows, vocab, generator=gen).to(dtype)
+        planted = []
+        for r in range(rows):
+            where = torch.randperm(vocab, generator=gen)[: 2 + r % 3]
+            x[r, where] = 9.0
+            planted.append(int(where.min()))
+        assert greedy_tokens(x).tolist() == planted == torch.argmax(x, dim=-1).tolist()
 
 
 def test_target_probs_processing():
