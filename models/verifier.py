@@ -357,10 +357,11 @@ def load_tokenizer(cfg: VerifierConfig, path: Path | None = None):
 
 def load_verifier(cfg: VerifierConfig, device: str | torch.device = "cpu", decoding: bool = False) -> Verifier:
     """The verifier, frozen, on ``device``; with ``decoding`` (a stage that decodes a few tokens at a time) its
-    linear layers run the kernel ``cfg.linear_kernel`` chooses."""
+    linear layers run the kernel ``cfg.linear_kernel`` chooses and, on a CPU, its masked attention over grouped
+    key/value heads runs without copying the cache (``models/kernels.py``)."""
     from transformers import AutoModelForCausalLM
 
-    from fledge.models.kernels import use_linear_kernel
+    from fledge.models.kernels import use_grouped_attention, use_linear_kernel
 
     path = resolve_verifier_dir(cfg)
     dtype = parse_dtype(cfg.dtype, device)
@@ -375,6 +376,8 @@ def load_verifier(cfg: VerifierConfig, device: str | torch.device = "cpu", decod
     num_layers = int(model.config.num_hidden_layers)
     ids = cfg.aux_layer_ids if cfg.aux_layer_ids is not None else default_aux_layer_ids(num_layers)
     kernel = use_linear_kernel(model, cfg.linear_kernel) if decoding else "default"
+    if decoding:
+        use_grouped_attention(model)
     return Verifier(
         model=model,
         tokenizer=load_tokenizer(cfg, path),

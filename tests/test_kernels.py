@@ -1,4 +1,5 @@
-"""The linear kernel a decoding verifier runs: oneDNN with packed weights computes what torch's default does."""
+"""The kernels a decoding verifier runs: oneDNN with packed weights computes what torch's default does, and the
+grouped-query attention what transformers' sdpa does."""
 
 from __future__ import annotations
 
@@ -7,7 +8,14 @@ import torch
 
 from fledge.core.errors import ConfigError
 from fledge.eval.ties import TieJudge
-from fledge.models.kernels import choose_linear_kernel, onednn_available, pack_linears, use_linear_kernel
+from fledge.decode.session import VerifierSession
+from fledge.models.kernels import (
+    GROUPED_SDPA,
+    choose_linear_kernel,
+    onednn_available,
+    pack_linears,
+    use_linear_kernel,
+)
 from fledge.models.verifier import VerifierConfig, load_verifier
 
 from reference_decode import generate_plain
@@ -74,3 +82,46 @@ def test_packed_bf16_linears_compute_what_the_default_does(tiny_verifier_dir):
         fp32 = reference(input_ids=ids).logits
         assert fp32.dtype == torch.float32
         assert torch.allclose(fp32, default.model.float()(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_grouped_attention_computes_what_sdpa_does(tiny_verifier_dir, dtype, monkeypatch):
+    cfg = VerifierConfig(name_or_path=str(tiny_verifier_dir), dtype=dtype, linear_kernel="default")
+    stock, grouped = load_verifier(cfg), load_verifier(cfg, decoding=True)
+    assert stock.model.config._attn_implementation == "sdpa"
+    assert grouped.model.config._attn_implementation == GROUPED_SDPA
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def watched(query, key, value, **kwargs):
+        calls.append((query.shape[1], key.shape[1], kwargs.get("enable_gqa", False), kwargs.get("attn_mask") is None))
+        return sdpa(query, key, value, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", watched)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 1000, (n,), generator=gen) for n in (23, 9)]
+    blocks = [[torch.randint(0, 1000, (n,), generator=gen) for n in sizes] for sizes in ((6, 3), (1, 5), (4, 4))]
+    parents = [torch.tensor([-1, -1, 0, 1, 2]), torch.tensor([-1, -1])]  # a tree per row (5 and 2 nodes)
+    outputs = {}
+    for name, verifier in (("stock", stock), ("grouped", grouped)):
+        got = []
+        with torch.inference_mode():
+            for rows in ([prompts[0]], prompts):  # batch 1 (its causal fast path for chains) and batch 2 (holes)
+                with VerifierSession(verifier.model) as session:
+                    session.prefill(rows)
+                    for block in blocks:
+                        block = block[: len(rows)]
+                        got.append(session.forward(block)[0])
+                        session.commit([list(range(len(b) - 1)) for b in block])
+                        trees = [torch.cat([b[:1], p % 1000]) for b, p in zip(block, parents)]
+                        got.append(session.forward(trees, parents[: len(rows)])[0])
+                        session.commit([[0, 2] for _ in trees])
+        outputs[name] = got
+    assert len(outputs["stock"]) == 12
+    for expected, got in zip(outputs["stock"], outputs["grouped"]):
+        assert torch.equal(got, expected)  # bit for bit
+    heads, kv_heads = stock.model.config.num_attention_heads, stock.model.config.num_key_value_heads
+    grouped_calls = calls[len(calls) // 2:]
+    masked = [c for c in grouped_calls if not c[3]]
+    assert masked and all(c == (heads, kv_heads, True, False) for c in masked)  # one call, no copy per group
+    assert any(c[1] == heads for c in calls[: len(calls) // 2] if not c[3])  # the stock path repeats the keys
