@@ -38,6 +38,18 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
+def greedy_from_top(values: torch.Tensor, ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """``greedy_tokens(logits)`` read off the rows' top-k (``torch.topk``'s values and ids [..., k], k >= 2): the
+    smallest id among those equal to the row's maximum. Every entry equal to the maximum is among the top k when
+    fewer than k share it; a row where all k do is left to ``greedy_tokens``. The same first maximum, without a
+    second pass over [q, V] when the top-k is wanted anyway (token recycling)."""
+    first = torch.where(values == values[..., :1], ids, torch.iinfo(ids.dtype).max).amin(-1)
+    crowded = values[..., -1] == values[..., 0]
+    if bool(crowded.any()):
+        first[crowded] = greedy_tokens(logits[crowded])
+    return first
+
+
 def greedy_accept(logits: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[int, int, torch.Tensor]:
     """Greedy verification of a chain: how many drafts equal the verifier's argmax one after another, the argmax
     after them (the bonus token), and every row's argmax.
@@ -145,9 +157,11 @@ def children_lists(parents: list[int]) -> list[list[int]]:
     return children
 
 
-def walk_greedy(logits: torch.Tensor, tree: DraftTree) -> tuple[list[int], int]:
-    """Follow the children that match the verifier's argmax: (accepted node path, the next token)."""
-    predicted = greedy_tokens(logits).tolist()
+def walk_greedy(logits: torch.Tensor, tree: DraftTree, predicted: torch.Tensor | None = None
+                ) -> tuple[list[int], int]:
+    """Follow the children that match the verifier's argmax: (accepted node path, the next token). ``predicted``:
+    the rows' argmax when the caller has it."""
+    predicted = (greedy_tokens(logits) if predicted is None else predicted).tolist()
     tokens = tree.tokens.tolist()
     children = children_lists(tree.parents.tolist())
     path: list[int] = []

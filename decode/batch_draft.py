@@ -214,6 +214,9 @@ class BatchedEagle:
             raise ValueError("BatchedEagle needs the verifier's aux states of the committed tokens")
         width = self.committed_width
         self.cache.crop(width)  # forget the last proposal's speculative blocks
+        if len(updates) == 1 and int(self.starts[0]) == 0:
+            self._advance_one(*updates[0])
+            return
         counts = [int(tokens.numel()) for tokens, _ in updates]
         block = max(counts)
         batch = len(updates)
@@ -235,6 +238,19 @@ class BatchedEagle:
         self.cache.length = self.committed_width
         self.has_context = [True] * batch
         self.slots = [_Slots() for _ in updates]
+
+    def _advance_one(self, tokens: torch.Tensor, aux: torch.Tensor) -> None:
+        """``advance`` of one row whose committed entries fill the cache from column 0: the block follows them
+        causally (the cache's own mask), and its entries are already where they stay."""
+        n = int(tokens.numel())
+        positions = self.ends[:, None] + torch.arange(n, device=self.device)[None, :]
+        out = self.draft(self.draft.fuse(aux.to(self.device)[None]), tokens.to(self.device)[None], positions,
+                         kv_cache=self.cache)
+        self.last_hidden = out[:, -1]
+        self.ends = self.ends + n
+        self.cache.length = int(self.ends[0])
+        self.has_context = [True]
+        self.slots = [_Slots()]
 
     def observe(self, blocks) -> None:
         """The draft alone records nothing of the verifier's outputs (``observe_top_k`` is 0)."""

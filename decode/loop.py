@@ -22,6 +22,7 @@ from torch import nn
 
 from fledge.decode.accept import (
     greedy_accept,
+    greedy_from_top,
     greedy_tokens,
     leviathan_accept,
     pick_token,
@@ -106,6 +107,7 @@ def generate(
         timer = RoundTimer(device, timing)
         while active:
             budgets = [limits[r] - len(results[r].tokens) - 1 for r in active]
+            top = predicted = None
             if method == "plain":
                 logits, aux = session.forward([torch.tensor([roots[r]]) for r in active])
                 timer.lap("verify")
@@ -121,14 +123,20 @@ def generate(
                 timer.lap("other")
                 logits, aux = session.forward(inputs, [d.parents for d in drafts] if method == "tree" else None)
                 timer.lap("verify")
+                if method == "tree" and batch.observe_top_k:
+                    # The verifier's most likely next tokens at every checked row, root and nodes alike (token
+                    # recycling: ``decode/recycle.py``); one top-k over the block for all rows, which gives the
+                    # greedy walk its argmax too.
+                    values, top = torch.topk(logits, min(batch.observe_top_k, logits.shape[-1]), dim=-1)
+                    if sampling.greedy and top.shape[-1] > 1:
+                        predicted = greedy_from_top(values, top, logits)
+                    top = top.cpu()
                 outcomes = [_chain_outcome(logits[i], d, sampling, generator, results[r]) if method == "chain"
-                            else _tree_outcome(logits[i], d, sampling, generator)
+                            else _tree_outcome(logits[i], d, sampling, generator,
+                                               None if predicted is None else predicted[i])
                             for i, (r, d) in enumerate(zip(active, drafts))]
             timer.lap("accept")
-            if method == "tree" and batch.observe_top_k:
-                # The verifier's most likely next tokens at every checked row, root and nodes alike (token
-                # recycling: ``decode/recycle.py``); one top-k over the block for all rows.
-                top = torch.topk(logits, min(batch.observe_top_k, logits.shape[-1]), dim=-1).indices.cpu()
+            if top is not None:
                 batch.observe([(x, top[i, : x.numel()]) for i, x in enumerate(inputs)])
                 timer.lap("draft_update")
             session.commit([o.kept for o in outcomes])
@@ -202,10 +210,14 @@ def _chain_outcome(logits: torch.Tensor, draft: ChainDraft, sampling: SamplingPa
 
 
 def _tree_outcome(logits: torch.Tensor, tree: DraftTree, sampling: SamplingParams,
-                  generator: torch.Generator | None) -> _Outcome:
-    """One row's tree: ``logits`` [q, V] of its block [root, nodes, padding]."""
+                  generator: torch.Generator | None, predicted: torch.Tensor | None = None) -> _Outcome:
+    """One row's tree: ``logits`` [q, V] of its block [root, nodes, padding]; greedy, ``predicted`` [q] its rows'
+    argmax if known."""
     rows = logits[: tree.size + 1]
-    path, token = walk_greedy(rows, tree) if sampling.greedy else walk_sampled(rows, tree, sampling, generator)
+    if sampling.greedy:
+        path, token = walk_greedy(rows, tree, None if predicted is None else predicted[: tree.size + 1])
+    else:
+        path, token = walk_sampled(rows, tree, sampling, generator)
     return _Outcome(new=tree.tokens[path].tolist() + [token], kept=[0] + [node + 1 for node in path],
                     proposed=int(tree.depths.max()) if tree.size else 0, nodes=tree.size)
 

@@ -20,6 +20,8 @@ def move_kept(
     they move to its end, in order, with one indexed copy per [B, heads, columns, d] tensor; returns the new ends.
     A chain's rollback (its accepted prefix) and a tree's compaction (its accepted path) are the same move."""
     device = ends.device
+    if len(kept) == 1:
+        return _move_kept_one(tensors, ends, block_start, kept[0])
     rows = [i for i, k in enumerate(kept) for _ in k]
     counts = torch.tensor([len(k) for k in kept], dtype=torch.long, device=device)
     if rows:
@@ -32,3 +34,18 @@ def move_kept(
             keys[row_idx, :, dst, :] = keys[row_idx, :, src, :]
             values[row_idx, :, dst, :] = values[row_idx, :, src, :]
     return ends + counts
+
+
+def _move_kept_one(tensors: list[tuple[torch.Tensor, torch.Tensor]], ends: torch.Tensor, block_start: int,
+                   kept: list[int]) -> torch.Tensor:
+    """``move_kept`` of one row: only the entries not already in their place move, one column selection per
+    tensor (half the time of the rows-and-columns indexing over a verifier's 30 layers)."""
+    end = int(ends[0])
+    moved = [(block_start + j, end + i) for i, j in enumerate(kept) if block_start + j != end + i]
+    if moved:
+        src = torch.tensor([a for a, _ in moved], device=ends.device)
+        dst = torch.tensor([b for _, b in moved], device=ends.device)
+        for keys, values in tensors:
+            keys.index_copy_(2, dst, keys.index_select(2, src))
+            values.index_copy_(2, dst, values.index_select(2, src))
+    return ends + len(kept)

@@ -74,14 +74,17 @@ def test_batched_greedy_rows_equal_their_batch_one_outputs(verifier, method):
 
 
 @pytest.mark.parametrize("method", ["chain", "tree"])
-def test_batched_eagle_proposes_what_each_row_would_alone(verifier, method):
+@pytest.mark.parametrize("rows", ["four", "one", "one-token"])
+def test_batched_eagle_proposes_what_each_row_would_alone(verifier, method, rows):
     """The batched draft (one forward per draft step for every row, its own ragged KV cache) proposes, row by row,
     exactly what the one-row reference (``ReferenceEagle``) of that row alone proposes: over rounds of commits of
-    different lengths, a one-token prompt, a row that leaves the batch, and chains of different lengths (0 included)."""
+    different lengths, a one-token prompt, a row that leaves the batch, and chains of different lengths (0 included);
+    and at batch 1 (its own path for reading the committed tokens), from a prompt and from one token."""
     from fledge.decode.batch_draft import BatchedEagle, RowwiseBatch, batch_drafter
 
     draft = random_eagle(verifier).double()  # float64: summation order cannot flip an argmax
-    prompts = [PROMPT, torch.tensor([9]), PROMPT[:3], torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12])]
+    prompts = {"four": [PROMPT, torch.tensor([9]), PROMPT[:3], torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12])],
+               "one": [PROMPT], "one-token": [torch.tensor([9])]}[rows]
     batched = batch_drafter([EagleDrafter(draft) for _ in prompts])
     rowwise = RowwiseBatch([ReferenceEagle(draft) for _ in prompts])
     assert isinstance(batched, BatchedEagle)
@@ -98,7 +101,7 @@ def test_batched_eagle_proposes_what_each_row_would_alone(verifier, method):
             assert [d.tokens.tolist() for d in mine] == [d.tokens.tolist() for d in theirs]
             proposals = [d.tokens.tolist() for d in mine]
         else:
-            shapes = [SHAPE if i or round_ else None for i in range(len(sequences))]
+            shapes = [SHAPE if i or round_ or rows != "four" else None for i in range(len(sequences))]
             mine = batched.propose_trees(shapes, SamplingParams(), None)
             theirs = rowwise.propose_trees(shapes, SamplingParams(), None)
             for a, b in zip(mine, theirs):
@@ -121,7 +124,7 @@ def test_batched_eagle_proposes_what_each_row_would_alone(verifier, method):
             new = proposal[: rng.randrange(len(proposal) + 1)] + [rng.randrange(VOCAB)]
             sequence += new
             updates.append((torch.tensor(new), verifier_aux(verifier, sequence)[len(sequence) - len(new) - 1 : -1]))
-        if round_ == 2:  # row 2 leaves the batch
+        if round_ == 2 and rows == "four":  # row 2 leaves the batch
             keep = [0, 1, 3]
             for side in (batched, rowwise):
                 side.keep_rows(keep)
@@ -129,6 +132,8 @@ def test_batched_eagle_proposes_what_each_row_would_alone(verifier, method):
             updates = [updates[i] for i in keep]
         for side in (batched, rowwise):
             side.advance(updates)
+        for mine, theirs in zip(batched._views(), rowwise.rows):  # the next round's root, read back exactly
+            torch.testing.assert_close(mine.root_logits(), theirs.root_logits(), rtol=1e-9, atol=1e-9)
 
 
 def test_batched_plain_decoding_is_hugging_face_generate_at_the_same_batch(verifier):

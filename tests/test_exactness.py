@@ -11,7 +11,7 @@ import torch
 
 import fledge.decode.accept
 import fledge.decode.loop
-from fledge.decode.accept import greedy_tokens, leviathan_accept, multi_candidate_accept
+from fledge.decode.accept import greedy_from_top, greedy_tokens, leviathan_accept, multi_candidate_accept
 from fledge.decode.datastore import NgramDatastore
 from fledge.decode.drafters import HybridDrafter, PromptLookupDrafter, RandomDrafter
 from fledge.decode.proposals import ChainDraft, TreeShape, grow_tree, propose_chain_with
@@ -231,6 +231,27 @@ def test_greedy_tokens_break_ties_as_argmax(dtype):
             x[r, where] = 9.0
             planted.append(int(where.min()))
         assert greedy_tokens(x).tolist() == planted == torch.argmax(x, dim=-1).tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_greedy_from_top_is_argmax_with_any_ties(dtype):
+    """The argmax read off a top-k (the recycling loops' one pass over the block) is ``torch.argmax``'s first
+    maximum: rows with one maximum, with 2-3 equal maxima (fewer than k), and with k or more (then recomputed)."""
+    gen = torch.Generator().manual_seed(1)
+    for vocab, rows, k in ((49152, 17, 4), (4096, 9, 4), (37, 6, 2)):
+        x = torch.randn(rows, vocab, generator=gen).to(dtype)
+        for r in range(rows):
+            ties = (1, 2, 3, k, k + 2)[r % 5]
+            x[r, torch.randperm(vocab, generator=gen)[:ties]] = 9.0
+        values, ids = torch.topk(x, k, dim=-1)
+        assert greedy_from_top(values, ids, x).tolist() == torch.argmax(x, dim=-1).tolist()
+        assert greedy_from_top(values[None], ids[None], x[None]).tolist() == [torch.argmax(x, dim=-1).tolist()]
+    # torch does not promise which of k or more equal maxima topk returns: such a row is recomputed
+    x = torch.zeros(2, 10, dtype=dtype)
+    x[:, [1, 4, 6, 8]] = 5.0
+    x[1, 1] = 0.0
+    values, ids = torch.full((2, 3), 5.0, dtype=dtype), torch.tensor([[8, 6, 4], [8, 6, 4]])
+    assert greedy_from_top(values, ids, x).tolist() == [1, 4]
 
 
 def test_target_probs_processing():
