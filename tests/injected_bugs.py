@@ -98,8 +98,8 @@ def _chain_accept(wrong_count: bool, wrong_bonus: bool) -> Callable:
 def _tree_walk(wrong_count: bool, wrong_bonus: bool) -> Callable:
     walk = accept_mod.walk_greedy
 
-    def buggy(logits, tree):
-        path, bonus = walk(logits, tree)
+    def buggy(logits, tree, predicted=None):
+        path, bonus = walk(logits, tree, predicted)
         row = path[-1] + 1 if path else 0
         kids = children_lists(tree.parents.tolist())[row]
         if kids:  # the verifier's token was none of this node's children: a rejection happened here
