@@ -44,8 +44,9 @@ class DecodeResult:
 ROUND_PARTS = ("draft", "verify", "accept", "kv_update", "draft_update", "other")
 """What a speculative round spends its time on: proposing (``draft``), the verifier's forward (``verify``),
 deciding what is accepted (``accept``; with token recycling it includes the block's top-k, which gives the greedy
-walk its argmax and the drafter the verifier's next tokens), rolling back or compacting the verifier's KV cache (``kv_update``), feeding
-the committed tokens to the drafter (``draft_update``), and the loop's own bookkeeping and inputs (``other``)."""
+walk its argmax and the drafter the verifier's next tokens), rolling back or compacting the verifier's KV cache
+(``kv_update``), feeding the committed tokens to the drafter (``draft_update``), and the loop's own bookkeeping and
+inputs (``other``)."""
 
 
 class RoundTimer:
