@@ -258,7 +258,8 @@ def evaluate(
         "config": dataclasses.asdict(cfg),
         "verifier": {"name": verifier.name, "dtype": str(verifier.dtype).replace("torch.", ""),
                      "aux_layer_ids": verifier.aux_layer_ids, "device": str(verifier.device),
-                     "linear_kernel": verifier.linear_kernel},
+                     "linear_kernel": verifier.linear_kernel,
+                     "attention": getattr(verifier.model.config, "_attn_implementation", None)},
         "stop_ids": sorted(stop_ids),
         "sets": {},
     }

@@ -89,7 +89,7 @@ def test_grouped_attention_computes_what_sdpa_does(tiny_verifier_dir, dtype, mon
     cfg = VerifierConfig(name_or_path=str(tiny_verifier_dir), dtype=dtype, linear_kernel="default")
     stock, grouped = load_verifier(cfg), load_verifier(cfg, decoding=True)
     assert stock.model.config._attn_implementation == "sdpa"
-    assert grouped.model.config._attn_implementation == GROUPED_SDPA
+    assert grouped.model.config._attn_implementation == GROUPED_SDPA  # what an evaluation's report records
     calls = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
 

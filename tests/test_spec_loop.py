@@ -376,6 +376,7 @@ def test_evaluate_reports_lossless_drafters(tiny_verifier_dir, tmp_path):
                 "random": RandomDrafter(len(verifier.tokenizer)),
                 "hybrid": HybridDrafter(EagleDrafter(draft), PromptLookupDrafter(min_ngram=1))}
     report = evaluate(verifier, {"toy": prompts}, drafters, cfg)
+    assert report["verifier"]["attention"] == "sdpa"  # loaded for the cache's path: the stock attention
     entries = report["sets"]["toy"]["drafters"]
     assert entries["prompt_lookup"]["method"] == "chain" and entries["eagle"]["method"] == "tree"
     for name in ("prompt_lookup", "eagle", "random", "hybrid"):
