@@ -156,12 +156,12 @@ def grouped_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     """transformers' attention-function signature: a masked CPU attention over grouped key/value heads runs as one
     SDPA call with ``enable_gqa`` (no copy of the cache per head group); everything else goes to the stock
     ``sdpa``."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     grouped = getattr(module, "num_key_value_groups", 1) > 1
     plain = attention_mask is not None and not dropout and kwargs.get("softcap") is None and \
         kwargs.get("position_bias") is None and key.shape[-1] == value.shape[-1]
     if not (grouped and plain and query.device.type == "cpu"):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward  # (every layer: only here)
+
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True)
