@@ -417,3 +417,26 @@ def test_a_run_sized_by_time_trains_until_its_time_is_spent_and_ends_at_the_sche
     assert resumed and resumed[0] < 0.6e-3
     with pytest.raises(ConfigError, match="train.time_budget_minutes must be > 0"):
         run_stage("train", train_overrides(cache, out, **{"train.time_budget_minutes": 0}))
+
+
+def test_later_epochs_take_the_teachers_in_vocabulary_decisions_from_the_memo_with_the_same_weights(
+    cache, tmp_path, monkeypatch
+):
+    from fledge.train.ttt import InVocabMemo
+
+    hits: list[int] = []
+    lookup = InVocabMemo.lookup
+
+    def counted(self, rows, lengths, t):
+        found = lookup(self, rows, lengths, t)
+        hits.append(found is not None)
+        return found
+
+    args = {"train.max_steps": 9, "checkpoint.every": 0}  # 6 micro-batches an epoch: the last 3 steps repeat rows
+    monkeypatch.setattr(InVocabMemo, "lookup", counted)
+    run_stage("train", train_overrides(cache, tmp_path / "memo", **args))
+    assert hits[:6] == [False] * 6 and hits[6:] == [True] * 3
+    monkeypatch.setattr(InVocabMemo, "lookup", lambda self, rows, lengths, t: None)
+    run_stage("train", train_overrides(cache, tmp_path / "fresh", **args))
+    got, want = (load_file(tmp_path / run / "draft" / "model.safetensors") for run in ("memo", "fresh"))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

@@ -12,7 +12,15 @@ from fledge.core.errors import ConfigError
 from fledge.models.capture import forward_hidden
 from fledge.models.draft import DraftKVCache, Eagle3Config, Eagle3Draft
 from fledge.models.ttt_attention import ttt_attention
-from fledge.train.ttt import TTTConfig, shift_left, teacher_targets, ttt_forward, ttt_unroll
+from fledge.train.ttt import (
+    InVocabMemo,
+    TeacherHead,
+    TTTConfig,
+    shift_left,
+    teacher_targets,
+    ttt_forward,
+    ttt_unroll,
+)
 
 # float64 everywhere below except the overfit run: equalities hold to rounding, so the tolerance is tight.
 TOL = dict(rtol=1e-9, atol=1e-10)
@@ -252,6 +260,55 @@ def test_teacher_is_float32_under_autocast() -> None:
         probs, _ = teacher_targets(final, head, draft.t2d, chunk=4)
     ref, _ = teacher_targets(final, head, draft.t2d, chunk=4)
     torch.testing.assert_close(probs, ref, rtol=0, atol=0)
+
+
+def test_in_vocab_memo_gives_the_teachers_numbers_without_the_outside_columns(monkeypatch) -> None:
+    """A conversation seen before takes its in-vocabulary decisions from the memo: the same loss and gradients,
+    bit for bit, in another batch and at another padded length, and the outside columns are not read at all."""
+    draft = tiny_draft(seed=4)
+    head = TeacherHead(random_head(draft, seed=4), draft.t2d)
+    cfg = TTTConfig(ttt_steps=3, teacher_chunk=5)
+    batch = random_batch(draft, 3, 12, seed=4, pad=[0, 2, 5])
+    batch["rows"] = torch.tensor([7, 3, 11])
+
+    def loss_and_grads(bt: dict, memo: InVocabMemo | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        draft.zero_grad(set_to_none=True)
+        loss, _ = ttt_forward(draft, bt, head, cfg, memo=memo)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in draft.parameters() if p.requires_grad]
+
+    fresh = loss_and_grads(batch, None)
+    memo = InVocabMemo()
+    first = loss_and_grads(batch, memo)
+    assert len(memo) == 3 and memo.positions == 12 + 10 + 7
+    # The same conversations in another order, padded to 14 (their batch mates differ in a real run).
+    order = torch.tensor([2, 0, 1])
+    again = {k: v[order] for k, v in batch.items()}
+    for key in ("input_ids", "loss_mask", "attention_mask", "aux", "final"):
+        again[key] = torch.cat((again[key], again[key][:, :2] * 0), dim=1)
+    fresh_again = loss_and_grads(again, None)
+
+    def no_outside(*args, **kwargs):
+        raise AssertionError("the outside columns were read for a conversation the memo holds")
+
+    monkeypatch.setattr(TeacherHead, "fast_outside", no_outside)
+    remembered = loss_and_grads(again, memo)
+    for got, want in ((first, fresh), (remembered, fresh_again)):
+        assert torch.equal(got[0], want[0])
+        assert all(torch.equal(g, w) for g, w in zip(got[1], want[1]))
+    # A batch with a conversation the memo has not seen is decided afresh (and reads the outside columns).
+    unseen = dict(batch, rows=torch.tensor([7, 3, 12]))
+    with pytest.raises(AssertionError, match="outside columns"):
+        ttt_forward(draft, unseen, head, cfg, memo=memo)
+    monkeypatch.undo()
+    ttt_forward(draft, unseen, head, cfg, memo=memo)
+    assert len(memo) == 4
+    # A known conversation whose length differs (another cache under the same index) is not taken from the memo.
+    assert memo.lookup([7], [11], 12) is None and memo.lookup([7], [12], 12) is not None
+    # At its limit a conversation that does not fit is not stored (12 + 7 positions fit in 20, 10 more do not).
+    small = InVocabMemo(max_positions=20)
+    ttt_forward(draft, batch, head, cfg, memo=small)
+    assert len(small) == 2 and small.positions == 19 and small.lookup([3], [10], 12) is None
 
 
 def test_loss_alignment_by_hand() -> None:

@@ -38,7 +38,7 @@ from fledge.core.dist import init_process_group as join_process_group
 from fledge.core.errors import ConfigError
 from fledge.train.config import TrainConfig
 from fledge.train.stopping import TimeShare
-from fledge.train.ttt import TeacherHead, TTTConfig, ttt_forward
+from fledge.train.ttt import InVocabMemo, TeacherHead, TTTConfig, ttt_forward
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,8 @@ class TTTModule(nn.Module):
         # checkpoints would store a copy of the verifier's head. Split at the draft vocabulary (installed by now and
         # fixed from here on) into the parts the teacher reads; the caller's head can then be let go.
         self.teacher = TeacherHead(verifier_head, draft.t2d)
+        self.memo = InVocabMemo()
+        """The teacher's in-vocabulary decisions per cached conversation, kept across epochs (``InVocabMemo``)."""
         self.ttt = ttt
         self.compute_dtype: str | None = None
         """The dtype the first forward really ran its matrix products in (the autocast dtype inside whatever the
@@ -98,7 +100,7 @@ class TTTModule(nn.Module):
             on = torch.is_autocast_enabled(device.type)
             dtype = torch.get_autocast_dtype(device.type) if on else self.draft.fc.weight.dtype
             self.compute_dtype = str(dtype).removeprefix("torch.")
-        return ttt_forward(self.draft, batch, self.teacher, self.ttt, self.compiled)
+        return ttt_forward(self.draft, batch, self.teacher, self.ttt, self.compiled, self.memo)
 
 
 DTYPE_NAMES = {"bf16": "bfloat16", "fp32": "float32"}

@@ -197,8 +197,9 @@ def pad_batch(samples: list[dict[str, torch.Tensor]], pin_memory: bool = False) 
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device | str) -> dict[str, torch.Tensor]:
-    """The batch on ``device``; from pinned memory to a GPU the copies are queued and the host goes on."""
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    """The batch on ``device``; from pinned memory to a GPU the copies are queued and the host goes on. ``rows``
+    (the conversations' cache indices, read by the host) stays on the host."""
+    return {k: v if k == "rows" else v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
 def collate(samples: list[dict[str, torch.Tensor]], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
@@ -223,9 +224,17 @@ class Prefetcher:
         self.device = torch.device(device)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fledge-data")
         self._ahead: tuple[list[int], Future] | None = None
+        from fledge.data.cache import CacheReader
+
+        # A cache's rows are the same bytes every epoch: batches name them (``rows``) so that the teacher's
+        # in-vocabulary decisions can be kept across epochs (``train.ttt.InVocabMemo``). Online rows are not named.
+        self.names_rows = isinstance(reader, CacheReader)
 
     def _read(self, indices: list[int]) -> dict[str, torch.Tensor]:
-        return pad_batch(self.reader.rows(indices), pin_memory=self.device.type == "cuda")
+        batch = pad_batch(self.reader.rows(indices), pin_memory=self.device.type == "cuda")
+        if self.names_rows:
+            batch["rows"] = torch.tensor(indices, dtype=torch.int64)
+        return batch
 
     def next(self, indices: list[int], ahead: list[int] | None = None) -> dict[str, torch.Tensor]:
         """Micro-batch ``indices`` on the device (already read if it was the previous call's ``ahead``); ``ahead``
