@@ -51,6 +51,9 @@ class TTTCache:
     def steps(self) -> int:
         return len(self.keys)
 
+    # Eager under torch.compile (``train.compile``'s compiled unroll step): the kernel's own autograd function and
+    # the cache's lists stay outside the compiled graphs, which end and resume around this call.
+    @torch.compiler.disable
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
         if attn_mask is not None:
             raise ValueError("the TTT unroll builds its own attention pattern; attn_mask must be None")

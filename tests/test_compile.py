@@ -13,6 +13,7 @@ from fledge.core import compile as compile_module
 from fledge.core.compile import Compiled, compile_failed
 from fledge.models.fused_ce import chunk_terms, fused_soft_cross_entropy
 from fledge.train.config import COMPILE_MIN_HEAD, TrainConfig
+from fledge.train import ttt as ttt_module
 from fledge.train.ttt import TeacherHead, TTTConfig, ttt_forward
 from test_fused_loss import grads_of
 from test_ttt import TOL, random_batch, random_head, tiny_draft
@@ -90,6 +91,30 @@ def test_compiled_step_equals_eager() -> None:
     probs_c, in_vocab_c, top_c = head.targets(batch["final"], 6, compiled=True)
     assert torch.equal(in_vocab, in_vocab_c) and torch.equal(top, top_c) and not in_vocab.all()
     torch.testing.assert_close(probs, probs_c, rtol=1e-6, atol=1e-7)
+
+
+def test_compiled_unroll_equals_eager_in_float64() -> None:
+    """The unroll's steps compiled (``compiled_layer``: embedding, RoPE, norms, projections, residuals and MLP fused
+    around the eager attention) against the same loss with them eager, float64 draft, every TTT step: loss, metrics
+    and every gradient at two batch shapes (the second reuses the dynamic compiled graphs). The RoPE tables and the
+    norms' statistics are float32 by design, and the compiler's cos / rsqrt may round their last bit otherwise than
+    torch's kernels; so the step agrees to float32's rounding (a wrong position, mask or residual is off by O(1))."""
+    draft = tiny_draft(seed=8)
+    head = TeacherHead(random_head(draft, seed=8), draft.t2d)
+    cfg = TTTConfig(ttt_steps=4, step_decay=0.7, loss_chunk=5, teacher_chunk=6)
+    for b, t, pad in ((3, 13, [0, 4, 9]), (2, 17, [5, 0])):
+        batch = random_batch(draft, b, t, seed=t, pad=pad)
+        ref_loss, ref_metrics = ttt_forward(draft, batch, head, cfg, compiled=True)
+        ref_grads = grads_of(draft, ref_loss)
+        loss, metrics = ttt_forward(draft, batch, head, cfg, compiled=True, compiled_layer=True)
+        assert compile_failed() is None and ttt_module._compiled_step._compiled is not None
+        float32 = dict(rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(loss.detach(), ref_loss.detach(), **float32)
+        assert metrics.keys() == ref_metrics.keys()
+        for key, value in metrics.items():
+            torch.testing.assert_close(value, ref_metrics[key], **float32)
+        for got, want in zip(grads_of(draft, loss), ref_grads):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
 
 
 def test_compiled_terms_break_ties_as_argmax() -> None:

@@ -96,7 +96,8 @@ class TrainConfig:
     fp32 keeps resume and engine-equivalence checks exact across machines."""
     compile: bool | None = None
     """``torch.compile`` the element-wise work around the step's matrix products: the fused loss's and the teacher's
-    per-chunk terms (``core/compile.py``), one or two loops over [positions, vocabulary] instead of a dozen passes.
+    per-chunk terms (``core/compile.py``), one or two loops over [positions, vocabulary] instead of a dozen passes,
+    and each step of the TTT unroll (norms, RoPE, residuals, activation; not under DeepSpeed: ``train.ttt``).
     None (auto): on when the draft's head has at least ``COMPILE_MIN_HEAD`` weights (every real draft; not the tests'
     tiny ones, where compiling costs more than it saves). A machine where the compiler cannot run trains eagerly,
     after one warning that says why. Measured: docs/design.md, "Training at the hardware's peak"."""

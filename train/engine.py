@@ -76,11 +76,17 @@ class TTTModule(nn.Module):
     """The draft and the frozen verifier head as one module, so that every training forward passes through
     DDP's / DeepSpeed's own ``forward`` (DDP prepares its gradient all-reduce there, ZeRO-3 its parameter gathers)."""
 
-    def __init__(self, draft: nn.Module, verifier_head: torch.Tensor, ttt: TTTConfig, compiled: bool = False) -> None:
+    def __init__(
+        self, draft: nn.Module, verifier_head: torch.Tensor, ttt: TTTConfig, compiled: bool = False,
+        compiled_layer: bool | None = None,
+    ) -> None:
         super().__init__()
         self.draft = draft
         self.compiled = compiled
         """``train.compile``: the loss's per-chunk terms through ``torch.compile`` (``models/fused_ce.py``)."""
+        self.compiled_layer = compiled if compiled_layer is None else compiled_layer
+        """``train.compile``: the unroll's steps through ``torch.compile`` too (``train.ttt.ttt_unroll``); not under
+        DeepSpeed, whose ZeRO-3 hooks gather each layer's weights around its forward."""
         # A plain attribute, neither parameter nor buffer: DDP would broadcast it and ZeRO-3 partition it, and
         # checkpoints would store a copy of the verifier's head. Split at the draft vocabulary (installed by now and
         # fixed from here on) into the parts the teacher reads; the caller's head can then be let go.
@@ -100,7 +106,7 @@ class TTTModule(nn.Module):
             on = torch.is_autocast_enabled(device.type)
             dtype = torch.get_autocast_dtype(device.type) if on else self.draft.fc.weight.dtype
             self.compute_dtype = str(dtype).removeprefix("torch.")
-        return ttt_forward(self.draft, batch, self.teacher, self.ttt, self.compiled, self.memo)
+        return ttt_forward(self.draft, batch, self.teacher, self.ttt, self.compiled, self.memo, self.compiled_layer)
 
 
 DTYPE_NAMES = {"bf16": "bfloat16", "fp32": "float32"}

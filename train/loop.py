@@ -231,7 +231,7 @@ def train(cfg: TrainJobConfig, info: DistInfo, device: torch.device) -> TrainRes
     head_shape = (512, draft.config.hidden_size, draft.config.draft_vocab_size)
     train_cfg = dataclasses.replace(cfg.train, dtype=choose_train_dtype(cfg.train.dtype, device, head_shape))
     compiled = train_cfg.compiles(draft.config.draft_vocab_size, draft.config.hidden_size)
-    module = TTTModule(draft, verifier_head, cfg.ttt, compiled)
+    module = TTTModule(draft, verifier_head, cfg.ttt, compiled, compiled and cfg.engine.kind != "deepspeed")
     del verifier_head  # the module keeps the teacher's split of it
     share = TimeShare(cfg.train.time_budget_minutes)  # a run sized by time: its schedule follows share.spent_s
     engine = build_engine(module, train_cfg, cfg.engine, info, device, total_steps, share)

@@ -341,15 +341,29 @@ def shift_left(x: torch.Tensor, n: int, fill: float | int | bool = 0) -> torch.T
     return torch.cat((x[:, n:], pad), dim=1)
 
 
+def _draft_step(
+    draft: Eagle3Draft, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, cache: TTTCache
+) -> torch.Tensor:
+    """One step of the unroll: the draft's forward (embedding, RoPE, the decoder layer) over the TTT cache."""
+    return draft(hidden, input_ids, positions, kv_cache=cache)
+
+
+_compiled_step = Compiled(_draft_step)
+"""The step through ``torch.compile`` (``train.compile``): the layer's norms, concatenation, RoPE, residuals and
+activation fused around its matrix products, forward and backward; the attention itself (``TTTCache.attend``) stays
+eager between the two compiled halves."""
+
+
 def ttt_unroll(
     draft: Eagle3Draft, fused: torch.Tensor, input_ids: torch.Tensor, steps: int, attention_chunk: int = 0,
-    attention: str = "auto",
+    attention: str = "auto", compiled: bool = False,
 ) -> Iterator[torch.Tensor]:
     """Yield the draft's output hidden states [B, T, H] of steps 0 .. steps-1 (alignment in the module docstring).
 
     fused: fc(aux) [B, T, H]; input_ids [B, T] (the sequence x). Gradients flow through the whole chain, as in
     the official code: a step's loss also trains the earlier steps that produced its input. ``attention_chunk``,
-    ``attention``: ``TTTConfig``'s.
+    ``attention``: ``TTTConfig``'s. ``compiled``: each step's forward (and so its backward) through
+    ``torch.compile`` (``_compiled_step``).
     """
     cache = TTTCache(attention_chunk, attention)
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)
@@ -357,13 +371,13 @@ def ttt_unroll(
     for k in range(steps):
         # Past the end the token is a placeholder: those positions are never counted and, attending only to
         # step-0 keys before them and their own chain, never influence a counted one.
-        hidden = draft(hidden, shift_left(input_ids, k + 1), positions + k, kv_cache=cache)
+        hidden = _compiled_step(draft, hidden, shift_left(input_ids, k + 1), positions + k, cache, compiled=compiled)
         yield hidden
 
 
 def ttt_forward(
     draft: Eagle3Draft, batch: dict[str, torch.Tensor], verifier_head: torch.Tensor | TeacherHead, cfg: TTTConfig,
-    compiled: bool = False, memo: InVocabMemo | None = None,
+    compiled: bool = False, memo: InVocabMemo | None = None, compiled_layer: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Weighted TTT loss of one batch, with per-step losses and top-1 agreement for logging.
 
@@ -377,7 +391,7 @@ def ttt_forward(
     The counted positions of all steps go through the head and the loss in one fused, chunked call
     (``models.fused_ce``): no [positions, V_draft] tensor outlives its chunk. Row weights decay**k / n_k make the
     weighted sum exactly sum_k decay**k * ploss_k. ``compiled`` (``train.compile``): the loss's per-chunk terms
-    through ``torch.compile``. ``memo``: the teacher's in-vocabulary decisions of the conversations seen before, for
+    through ``torch.compile``; ``compiled_layer``: the unroll's steps too (``ttt_unroll``). ``memo``: the teacher's in-vocabulary decisions of the conversations seen before, for
     a batch that names its ``rows`` (``InVocabMemo``; the same numbers, less work).
     """
     input_ids = batch["input_ids"]
@@ -412,7 +426,8 @@ def ttt_forward(
 
     fused = draft.fuse(batch["aux"])
     states, index, weights, counts = [], [], [], []
-    for k, hidden in enumerate(ttt_unroll(draft, fused, input_ids, cfg.ttt_steps, cfg.attention_chunk, cfg.attention)):
+    unroll = ttt_unroll(draft, fused, input_ids, cfg.ttt_steps, cfg.attention_chunk, cfg.attention, compiled_layer)
+    for k, hidden in enumerate(unroll):
         counted = shift_left(trained, k + 2, False) & shift_left(in_vocab, k + 1, False)
         rows, cols = counted.nonzero(as_tuple=True)
         n = rows.numel()
