@@ -80,13 +80,7 @@ def test_compiled_step_equals_eager() -> None:
     eager_grads = grads_of(draft, eager_loss)
     loss, metrics = ttt_forward(draft, batch, head, cfg, compiled=True)
     assert compile_failed() is None
-    float32 = dict(rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(loss.detach(), eager_loss.detach(), **float32)
-    assert metrics.keys() == eager_metrics.keys()
-    for key, value in metrics.items():
-        torch.testing.assert_close(value, eager_metrics[key], **float32)
-    for got, want in zip(grads_of(draft, loss), eager_grads):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7 * float(want.abs().max()))
+    assert_same_step(draft, (loss, metrics), (eager_loss, eager_metrics, eager_grads), rtol=1e-5, grad_atol=1e-7)
     probs, in_vocab, top = head.targets(batch["final"], 6, compiled=False)
     probs_c, in_vocab_c, top_c = head.targets(batch["final"], 6, compiled=True)
     assert torch.equal(in_vocab, in_vocab_c) and torch.equal(top, top_c) and not in_vocab.all()
@@ -108,13 +102,19 @@ def test_compiled_unroll_equals_eager_in_float64() -> None:
         ref_grads = grads_of(draft, ref_loss)
         loss, metrics = ttt_forward(draft, batch, head, cfg, compiled=True, compiled_layer=True)
         assert compile_failed() is None and ttt_module._compiled_step._compiled is not None
-        float32 = dict(rtol=1e-6, atol=1e-7)
-        torch.testing.assert_close(loss.detach(), ref_loss.detach(), **float32)
-        assert metrics.keys() == ref_metrics.keys()
-        for key, value in metrics.items():
-            torch.testing.assert_close(value, ref_metrics[key], **float32)
-        for got, want in zip(grads_of(draft, loss), ref_grads):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+        assert_same_step(draft, (loss, metrics), (ref_loss, ref_metrics, ref_grads), rtol=1e-6, grad_atol=1e-6)
+
+
+def assert_same_step(draft, got: tuple, want: tuple, rtol: float, grad_atol: float) -> None:
+    """Loss and metrics within ``rtol`` (atol 1e-7), every gradient within 1e-5 relative and ``grad_atol`` times its
+    largest entry; ``want`` carries the reference's gradients third."""
+    (loss, metrics), (want_loss, want_metrics, want_grads) = got, want
+    torch.testing.assert_close(loss.detach(), want_loss.detach(), rtol=rtol, atol=1e-7)
+    assert metrics.keys() == want_metrics.keys()
+    for key, value in metrics.items():
+        torch.testing.assert_close(value, want_metrics[key], rtol=rtol, atol=1e-7)
+    for g, w in zip(grads_of(draft, loss), want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=grad_atol * float(w.abs().max()))
 
 
 def test_compiled_terms_break_ties_as_argmax() -> None:
