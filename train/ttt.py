@@ -391,8 +391,9 @@ def ttt_forward(
     The counted positions of all steps go through the head and the loss in one fused, chunked call
     (``models.fused_ce``): no [positions, V_draft] tensor outlives its chunk. Row weights decay**k / n_k make the
     weighted sum exactly sum_k decay**k * ploss_k. ``compiled`` (``train.compile``): the loss's per-chunk terms
-    through ``torch.compile``; ``compiled_layer``: the unroll's steps too (``ttt_unroll``). ``memo``: the teacher's in-vocabulary decisions of the conversations seen before, for
-    a batch that names its ``rows`` (``InVocabMemo``; the same numbers, less work).
+    through ``torch.compile``; ``compiled_layer``: the unroll's steps too (``ttt_unroll``). ``memo``: the teacher's
+    in-vocabulary decisions of the conversations seen before, for a batch that names its ``rows`` (``InVocabMemo``;
+    the same numbers, less work).
     """
     input_ids = batch["input_ids"]
     b, t = input_ids.shape
@@ -409,9 +410,9 @@ def ttt_forward(
     needed = shift_left(trained, 1, False).view(-1).nonzero().squeeze(1)
     if not needed.numel():
         needed = needed.new_zeros(1)  # the head still runs once (below): give it a row to read
-    rows = batch["rows"].tolist() if memo is not None and "rows" in batch else None
-    lengths = batch["attention_mask"].sum(1).tolist() if rows is not None else []
-    known = memo.lookup(rows, lengths, t) if rows is not None else None
+    names = batch["rows"].tolist() if memo is not None and "rows" in batch else None
+    lengths = batch["attention_mask"].sum(1).tolist() if names is not None else []
+    known = memo.lookup(names, lengths, t) if names is not None else None
     teacher, needed_in_vocab, teacher_top = head.to(input_ids.device).targets(
         batch["final"].reshape(b * t, -1)[needed][None], cfg.teacher_chunk, compiled,
         in_vocab=None if known is None else known.view(-1)[needed.cpu()][None],
@@ -419,8 +420,8 @@ def ttt_forward(
     in_vocab = torch.zeros(b * t, dtype=torch.bool, device=input_ids.device)
     in_vocab[needed] = needed_in_vocab[0]
     in_vocab = in_vocab.view(b, t)
-    if rows is not None and known is None:
-        memo.store(rows, lengths, in_vocab)
+    if names is not None and known is None:
+        memo.store(names, lengths, in_vocab)
     slot = torch.zeros(b * t, dtype=torch.long, device=input_ids.device)
     slot[needed] = torch.arange(needed.numel(), device=input_ids.device)
 
