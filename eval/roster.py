@@ -53,9 +53,9 @@ class DrafterSettings:
     (``decode/merge.py``); 0: every candidate."""
     hybrid_draft_cost: float = 0.0
     """Trees: the draft's share of a round's cost, counted in rounds of prompt lookup alone (0.4-0.45 on a 2-core
-    AMX Xeon with the default verifier: ``docs/experiments/2026-12-07-hybrid-rounds.md``). A round whose lookup match has
-    been accepted often enough that the draft would add less than it costs proposes the lookup's branches alone
-    (no draft, no recycled successors), and the draft reads the committed tokens when it is next asked
+    AMX Xeon with the default verifier: ``docs/experiments/2026-12-07-hybrid-rounds.md``). A round whose lookup
+    match has been accepted often enough that the draft would add less than it costs proposes the lookup's branches
+    alone (no draft, no recycled successors), and the draft reads the committed tokens when it is next asked
     (``HybridDrafter.lookup_alone``); 0: the draft every round. Exact, as the decision rests on past rounds only."""
     draft_min_prob: float = 0.0
     """The draft's chains (alone and in the hybrid) stop before a position where its most likely token has less
