@@ -516,6 +516,39 @@ class Eagle3Draft(nn.Module):
             self.midlayer.self_attn.o_proj.weight.zero_()
             self.midlayer.mlp.down_proj.weight.zero_()
 
+    def init_layer_from_verifier(self, weights: dict[str, torch.Tensor], residual_scale: float = 1.0) -> list[str]:
+        """The decoder layer <- the verifier's layer that reads the top aux state (``weights`` from
+        ``models.verifier.load_layer``): q/k/v's columns over the hidden state, the output projections, the MLP and
+        the norms, so that on a residual stream holding that state the layer computes what the verifier's does.
+        ``residual_scale``: the residual stream holds the state divided by it (``aux_scale``), so the two output
+        projections are divided by it too. q/k/v's columns over the next token's embedding keep their
+        initialisation: the verifier has nothing to copy there. Returns the names of the tensors not copied (biases,
+        per-head q/k norms), which the draft has no place for."""
+        m, h = self.midlayer, self.config.hidden_size
+        plan = {f"self_attn.{n}.weight": (getattr(m.self_attn, n).weight, n != "o_proj")
+                for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+        plan.update({f"mlp.{n}.weight": (getattr(m.mlp, n).weight, False)
+                     for n in ("gate_proj", "up_proj", "down_proj")})
+        plan["input_layernorm.weight"] = (m.hidden_norm.weight, False)
+        plan["post_attention_layernorm.weight"] = (m.post_attention_layernorm.weight, False)
+        missing = sorted(set(plan) - set(weights))
+        if missing:
+            raise MismatchError(f"the verifier's layer has no {', '.join(missing)}: its decoder layer is not a "
+                                f"Llama-style one the draft's can copy")
+        for name, (target, hidden_half) in plan.items():
+            shape = (target.shape[0], h) if hidden_half else tuple(target.shape)
+            if tuple(weights[name].shape) != tuple(shape):
+                raise MismatchError(f"the verifier's {name} {tuple(weights[name].shape)} does not fit the draft's "
+                                    f"{tuple(shape)}", fix="train.layer_init needs the draft shaped as the verifier "
+                                                           "(no train.draft_intermediate_size)")
+        with torch.no_grad():
+            for name, (target, hidden_half) in plan.items():
+                value = weights[name].to(target)
+                if name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+                    value = value / residual_scale
+                (target[:, h:] if hidden_half else target).copy_(value)
+        return sorted(set(weights) - set(plan))
+
     def load_verifier_embedding(self, weight: torch.Tensor) -> None:
         if tuple(weight.shape) != tuple(self.embed_tokens.weight.shape):
             raise MismatchError(

@@ -411,30 +411,51 @@ def load_final_norm(model_dir: Path) -> torch.Tensor:
     raise VerifierNotFound(f"{model_dir}: no final norm weight (model.norm.weight)", fix="point at a causal LM")
 
 
+def _weight_map(model_dir: Path) -> dict[str, str]:
+    """Tensor name -> the safetensors file that holds it, from the index where the checkpoint is sharded."""
+    from safetensors import safe_open
+
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        return dict(json.loads(index.read_text())["weight_map"])
+    weight_map: dict[str, str] = {}
+    for f in model_dir.glob("*.safetensors"):
+        with safe_open(f, "pt") as fh:
+            weight_map.update({k: f.name for k in fh.keys()})
+    return weight_map
+
+
+def _read(model_dir: Path, weight_map: dict[str, str], key: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(model_dir / weight_map[key], "pt") as fh:
+        return fh.get_tensor(key)
+
+
+def load_layer(model_dir: Path, index: int) -> dict[str, torch.Tensor]:
+    """The tensors of the verifier's decoder layer ``index`` (``model.layers.<index>.*``, whatever the prefix before
+    ``layers``), keyed by their names inside the layer (``self_attn.q_proj.weight``, ``mlp.down_proj.weight``, ...)."""
+    weight_map = _weight_map(model_dir)
+    marker = f"layers.{int(index)}."
+    keys = [k for k in weight_map if k.startswith(marker) or f".{marker}" in k]
+    prefixes = {k[: k.index(marker)] for k in keys}
+    if not keys or len(prefixes) > 1:
+        found = "no tensor" if not keys else f"several stacks ({sorted(prefixes)})"
+        raise VerifierNotFound(f"{model_dir}: {found} named *layers.{index}.*", fix="point at a causal LM's folder")
+    return {k[k.index(marker) + len(marker):]: _read(model_dir, weight_map, k) for k in keys}
+
+
 def load_embed_and_head(model_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """The verifier's input embedding [V, H] and output head [V, H], read without building the model.
 
     Training needs only these two: the embedding feeds the draft, the head turns cached final hidden states
     into the teacher distribution.
     """
-    from safetensors import safe_open
-
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-    else:
-        weight_map = {}
-        for f in model_dir.glob("*.safetensors"):
-            with safe_open(f, "pt") as fh:
-                weight_map.update({k: f.name for k in fh.keys()})
-
-    def read(key: str) -> torch.Tensor:
-        with safe_open(model_dir / weight_map[key], "pt") as fh:
-            return fh.get_tensor(key)
-
+    weight_map = _weight_map(model_dir)
     embed_key = next((k for k in weight_map if k.endswith("embed_tokens.weight")), None)
     if embed_key is None:
         raise VerifierNotFound(f"{model_dir}: no *embed_tokens.weight tensor", fix="point at a causal LM's folder")
-    embed = read(embed_key)
-    head = read("lm_head.weight") if "lm_head.weight" in weight_map else embed  # tied embeddings
+    embed = _read(model_dir, weight_map, embed_key)
+    tied = "lm_head.weight" not in weight_map
+    head = embed if tied else _read(model_dir, weight_map, "lm_head.weight")
     return embed, head

@@ -278,6 +278,54 @@ def test_the_lens_initialisation_reads_the_top_aux_layer_through_the_copied_head
         TrainConfig(head_init="lens", head_init_scale=0)
 
 
+def test_the_layer_initialisation_computes_the_verifiers_next_layer_on_the_top_aux_state(cache):
+    """``train.layer_init=verifier``: with its embedding columns left out, the draft's decoder layer maps the top aux
+    state (``output_hidden_states[i]``) to the verifier's next one (``[i + 1]``), also on a residual scaled down."""
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM
+
+    from fledge.data.cache import CacheReader
+    from fledge.models.verifier import load_layer
+    from fledge.train.config import TrainConfig
+    from fledge.train.loop import build_draft
+
+    reader = CacheReader(cache)
+    draft, _ = build_draft(reader, dataclasses.replace(TrainConfig(), head_init="lens", layer_init="verifier"))
+    lens, _ = build_draft(reader, dataclasses.replace(TrainConfig(), head_init="lens"))
+    h, top = draft.config.hidden_size, draft.config.aux_layer_ids[2]
+    attn, layer = draft.midlayer.self_attn, draft.midlayer
+    # The embedding's columns keep the seed's initialisation; everything the verifier has is copied.
+    assert torch.equal(attn.q_proj.weight[:, :h], lens.midlayer.self_attn.q_proj.weight[:, :h])
+    assert not torch.equal(attn.o_proj.weight, lens.midlayer.self_attn.o_proj.weight)
+    model = AutoModelForCausalLM.from_pretrained(reader.verifier_dir, dtype=torch.float32)
+    ids = torch.tensor([[5, 17, 3, 42, 8, 9, 11]])
+    with torch.no_grad():
+        states = model(ids, output_hidden_states=True).hidden_states
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+            proj.weight[:, :h] = 0
+        cos, sin = draft.rope(torch.arange(ids.shape[1])[None])
+        embeds = draft.embed_tokens(ids)
+        out = layer(embeds, states[top], cos, sin, None, None)
+        torch.testing.assert_close(out, states[top + 1], rtol=1e-5, atol=1e-5 * states[top + 1].abs().max().item())
+        # aux_scale divides the residual stream by s: the copied outputs are divided too, and the layer's output is
+        # the same one divided by s (the norms' epsilon set to 0, as the tiny verifier's states are small enough
+        # for it to show).
+        for norm in (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm):
+            norm.eps = 0.0
+        plain = layer(embeds, states[top], cos, sin, None, None)
+        left = draft.init_layer_from_verifier(load_layer(reader.verifier_dir, top), residual_scale=4.0)
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+            proj.weight[:, :h] = 0
+        out = layer(embeds, states[top] / 4, cos, sin, None, None)
+        torch.testing.assert_close(out, plain / 4, rtol=1e-5, atol=1e-6 * plain.abs().max().item())
+    assert left == []  # a Llama layer: nothing the draft has no place for
+    with pytest.raises(MismatchError, match="mlp.gate_proj.weight .* does not fit"):
+        build_draft(reader, dataclasses.replace(TrainConfig(), layer_init="verifier", draft_intermediate_size=3 * h))
+    with pytest.raises(ConfigError, match="train.layer_init must be one of"):
+        TrainConfig(layer_init="copy")
+
+
 def test_train_draft_vocab_size_chooses_the_vocabulary_again_from_the_caches_counts(cache, tmp_path):
     """``train.draft_vocab_size=N``: the N tokens most often in the loss, from the counts the cache kept, without
     caching again; the trained draft carries that vocabulary into its folder."""

@@ -15,6 +15,7 @@ from fledge.core.errors import ConfigError
 
 DTYPES = ("auto", "fp32", "bf16")
 HEAD_INITS = ("random", "verifier", "lens")
+LAYER_INITS = ("random", "verifier")
 OPTIMIZERS = ("adamw", "muon")
 COMPILE_MIN_HEAD = 1 << 20
 """``train.compile=null`` compiles drafts whose head has at least this many weights (the default verifier's draft
@@ -75,6 +76,12 @@ class TrainConfig:
     """Multiplies the copied final norm (head_init=verifier or lens): the copied head is as sharp as the verifier's
     own, and on a hidden state it was not trained for that gives confident, wrong logits
     (docs/experiments/2026-12-01-budget-and-levers.md)."""
+    layer_init: str = "random"
+    """'random' (normal(0, 0.02)); 'verifier': the draft's decoder layer starts as the verifier's layer that reads
+    the top aux state (its projections over the hidden state, MLP and norms; ``Eagle3Draft.init_layer_from_verifier``),
+    meant with head_init=lens, where the residual stream starts as that state: the draft then begins one verifier
+    layer further on. Needs the draft shaped as the verifier (no ``draft_intermediate_size``). At the quickstart's
+    length: held-out acc_0 +0.015, τ level (docs/experiments/2026-12-07-layer-init.md)."""
     freeze_head: bool = False
     """Keep ``lm_head`` and ``norm`` at their initial values (meant with head_init=verifier; fewer weights to train)."""
     draft_vocab_size: int = 0
@@ -107,6 +114,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.head_init not in HEAD_INITS:
             raise ConfigError(f"train.head_init must be one of {HEAD_INITS}, got {self.head_init!r}")
+        if self.layer_init not in LAYER_INITS:
+            raise ConfigError(f"train.layer_init must be one of {LAYER_INITS}, got {self.layer_init!r}")
         if self.head_init_scale <= 0:
             raise ConfigError(f"train.head_init_scale must be > 0, got {self.head_init_scale}")
         if self.optimizer not in OPTIMIZERS:

@@ -36,7 +36,13 @@ from fledge.data.online import FirstEpochSource, OnlineSource, TrainDataConfig
 from fledge.data.vocab import build_draft_vocab
 from fledge.models.draft import Eagle3Config, Eagle3Draft
 from fledge.models.draft_folder import CHECKPOINTS, latest_checkpoint, read_draft_config, write_final_draft
-from fledge.models.verifier import VerifierConfig, check_fingerprint, load_embed_and_head, load_final_norm
+from fledge.models.verifier import (
+    VerifierConfig,
+    check_fingerprint,
+    load_embed_and_head,
+    load_final_norm,
+    load_layer,
+)
 from fledge.train import sampler
 from fledge.train.checkpoint import (
     CheckpointConfig,
@@ -481,10 +487,31 @@ def build_draft(reader: TrainingData, train: TrainConfig) -> tuple[Eagle3Draft, 
         draft.init_head_from_verifier(head.float(), train.head_init_scale * load_final_norm(verifier_dir).float())
     if train.head_init == "lens":
         draft.init_as_lens()
+    if train.layer_init == "verifier":
+        init_layer(draft, verifier_dir)
     if train.freeze_head:
         draft.lm_head.weight.requires_grad_(False)
         draft.norm.weight.requires_grad_(False)
     return draft, head.float().contiguous()
+
+
+def init_layer(draft: Eagle3Draft, verifier_dir: Path) -> None:
+    """``train.layer_init=verifier``: the decoder layer from the verifier's layer whose input is the top aux state
+    (``output_hidden_states`` index i is the input of ``layers.i``), its outputs on the residual's scale."""
+    from transformers import AutoConfig
+
+    cfg = draft.config
+    top = int(cfg.aux_layer_ids[2])
+    hf = AutoConfig.from_pretrained(verifier_dir)
+    layers = int((hf.get_text_config() if hasattr(hf, "get_text_config") else hf).num_hidden_layers)
+    if top >= layers:
+        raise MismatchError(f"train.layer_init=verifier: the top aux state ({top}) is the verifier's output, which no "
+                            f"layer reads", fix=f"aux layer ids below {layers}, or train.layer_init=random")
+    scale = float(cfg.aux_scale[2]) if cfg.aux_scale is not None else 1.0
+    left = draft.init_layer_from_verifier(load_layer(verifier_dir, top), residual_scale=scale)
+    log.info("train.layer_init=verifier: the decoder layer starts as the verifier's layer %d", top)
+    if left:
+        log.warning("train.layer_init=verifier: the draft has no place for the verifier's %s; left out", left)
 
 
 def runtime_binding(engine: Engine, train: TrainConfig, device: torch.device) -> RuntimeBinding:
