@@ -37,6 +37,7 @@ import torch
 from fledge.core.compile import compile_failed
 from fledge.core.dist import DistInfo, pick_device
 from fledge.core.errors import ConfigError
+from fledge.core.host_memory import keep_freed_memory
 from fledge.data.cache import CacheConfig
 from fledge.data.online import MODES
 from fledge.models.draft import Eagle3Config, Eagle3Draft
@@ -74,9 +75,11 @@ class TrainBenchConfig:
     """Tokens per sequence of the synthetic batch."""
     batch_size: int = 1
     ttt_steps: int = 7
-    steps: int = 2
-    """Timed training steps per dtype (after ``warmup`` untimed ones)."""
-    warmup: int = 1
+    steps: int = 3
+    """Timed training steps per dtype (after ``warmup`` untimed ones); the median is reported."""
+    warmup: int = 3
+    """Untimed steps first: the first compiles, and the next two still ran up to 1.6x slower than the later ones on a
+    2-core AMX Xeon (a process's first steps fault in the host memory its later ones reuse)."""
     dtypes: list[str] = field(default_factory=lambda: ["fp32", "bf16"])
     matmul_size: int = 2048
     """Side of the square matrices timed for the peak (on a large GPU 2048 may fall short of its peak and inflate
@@ -227,6 +230,8 @@ def bench_dtype(
     verifier's states for token ids, as a padded CPU batch) the steps train on the verifier's states of the
     synthetic token ids; with ``online`` too, each timed step computes them first (``capture_s``: that part)."""
     device = pick_device(cfg.device) if device is None else device
+    if device.type == "cpu":
+        keep_freed_memory()  # as training does (core/host_memory.py)
     config = cfg.draft_config()
     gen = torch.Generator().manual_seed(cfg.seed)
     draft = Eagle3Draft(config, seed=cfg.seed)

@@ -31,6 +31,7 @@ import torch
 from fledge.core.config import fields_of
 from fledge.core.dist import DistInfo, all_reduce_sum, barrier, cleanup
 from fledge.core.errors import ConfigError, MismatchError
+from fledge.core.host_memory import keep_freed_memory
 from fledge.data.cache import CacheConfig, CacheReader
 from fledge.data.online import FirstEpochSource, OnlineSource, TrainDataConfig
 from fledge.data.vocab import build_draft_vocab
@@ -221,6 +222,8 @@ def run(cfg: TrainJobConfig) -> TrainResult:
 def train(cfg: TrainJobConfig, info: DistInfo, device: torch.device) -> TrainResult:
     """The run: data, draft and engine, resume, the loop, the final draft."""
     seed_everything(cfg.train.seed)
+    if device.type == "cpu":
+        keep_freed_memory()  # each step's large tensors reuse the last step's memory (core/host_memory.py)
     output_dir = Path(cfg.output_dir)
     ckpt_dir = cfg.checkpoint_dir
 
