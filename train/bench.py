@@ -79,7 +79,7 @@ class TrainBenchConfig:
     """Timed training steps per dtype (after ``warmup`` untimed ones); the median is reported."""
     warmup: int = 3
     """Untimed steps first: the first compiles, and the next two still ran up to 1.6x slower than the later ones on a
-    2-core AMX Xeon (a process's first steps fault in the host memory its later ones reuse)."""
+    2-core AMX Xeon, with host memory kept between steps (``core/host_memory.py``) or not."""
     dtypes: list[str] = field(default_factory=lambda: ["fp32", "bf16"])
     matmul_size: int = 2048
     """Side of the square matrices timed for the peak (on a large GPU 2048 may fall short of its peak and inflate
