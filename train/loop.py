@@ -455,9 +455,9 @@ def aux_scales(reader: TrainingData, conversations: int = 32) -> list[float]:
 
 def build_draft(reader: TrainingData, train: TrainConfig) -> tuple[Eagle3Draft, torch.Tensor]:
     """A fresh draft shaped like the cache's verifier, with its embedding and the cache's draft vocabulary, and the
-    verifier's head (float32) for the teacher. Only the embedding and the head are read, never the whole model; a
-    verifier whose weights are not the ones the cache was made with is refused (its head would teach other
-    distributions than the cached states came from)."""
+    verifier's head (float32) for the teacher. Only the embedding and the head are read (and one decoder layer with
+    ``train.layer_init=verifier``), never the whole model; a verifier whose weights are not the ones the cache was
+    made with is refused (its head would teach other distributions than the cached states came from)."""
     from transformers import AutoConfig
 
     verifier_dir = reader.verifier_dir
@@ -470,8 +470,9 @@ def build_draft(reader: TrainingData, train: TrainConfig) -> tuple[Eagle3Draft, 
             raise ConfigError(f"train.draft_vocab_size={train.draft_vocab_size} is larger than the verifier's "
                               f"vocabulary ({counts.numel()} tokens)", fix=f"give at most {counts.numel()}")
         d2t, t2d = build_draft_vocab(counts, train.draft_vocab_size)
+    hf_config = AutoConfig.from_pretrained(verifier_dir)
     config = Eagle3Config.from_verifier(
-        AutoConfig.from_pretrained(verifier_dir), draft_vocab_size=int(d2t.numel()),
+        hf_config, draft_vocab_size=int(d2t.numel()),
         aux_layer_ids=list(reader.manifest["aux_layer_ids"]),
     )
     if train.draft_intermediate_size:
@@ -491,22 +492,21 @@ def build_draft(reader: TrainingData, train: TrainConfig) -> tuple[Eagle3Draft, 
     if train.head_init == "lens":
         draft.init_as_lens()
     if train.layer_init == "verifier":
-        init_layer(draft, verifier_dir)
+        init_layer(draft, verifier_dir, hf_config)
     if train.freeze_head:
         draft.lm_head.weight.requires_grad_(False)
         draft.norm.weight.requires_grad_(False)
     return draft, head.float().contiguous()
 
 
-def init_layer(draft: Eagle3Draft, verifier_dir: Path) -> None:
+def init_layer(draft: Eagle3Draft, verifier_dir: Path, hf_config) -> None:
     """``train.layer_init=verifier``: the decoder layer from the verifier's layer whose input is the top aux state
-    (``output_hidden_states`` index i is the input of ``layers.i``), its outputs on the residual's scale."""
-    from transformers import AutoConfig
-
+    (``output_hidden_states`` index i is the input of ``layers.i``), its outputs on the residual's scale.
+    ``hf_config``: the verifier's config (transformers'), for its number of layers."""
     cfg = draft.config
     top = int(cfg.aux_layer_ids[2])
-    hf = AutoConfig.from_pretrained(verifier_dir)
-    layers = int((hf.get_text_config() if hasattr(hf, "get_text_config") else hf).num_hidden_layers)
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    layers = int(text.num_hidden_layers)
     if top >= layers:
         raise MismatchError(f"train.layer_init=verifier: the top aux state ({top}) is the verifier's output, which no "
                             f"layer reads", fix=f"aux layer ids below {layers}, or train.layer_init=random")
