@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from fledge.core.dist import DistInfo, pick_device
+from fledge.core.host_memory import keep_freed_memory
 from fledge.data.cache import CacheConfig
 from fledge.data.cache_job import CacheJobConfig, ShardWriter, cache_shard, prepare, write_manifest
 from fledge.data.sources import DataConfig
@@ -74,6 +75,8 @@ def _sync(device: torch.device) -> None:
 def run(cfg: CacheBenchConfig) -> dict:
     info = DistInfo()
     device = pick_device(cfg.cache.device, info)
+    if device.type == "cpu":
+        keep_freed_memory()  # as the cache stage does: both the bare forward and the cache run under it
     job = CacheJobConfig(verifier=cfg.verifier, data=cfg.data, cache=cfg.cache)
     prep = prepare(job, info, device)
     batches = [b for shard in prep.plan.shards for b in shard]

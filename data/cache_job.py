@@ -24,6 +24,7 @@ from tqdm import tqdm
 from fledge.core.dist import DistInfo, barrier, process_group
 from fledge.core.errors import ConfigError, MismatchError
 from fledge.core.files import atomic_write_text, renamed_file, retire_old_name
+from fledge.core.host_memory import keep_freed_memory
 from fledge.data.cache import (
     CACHE_PLAN,
     FORMAT_VERSION,
@@ -393,6 +394,8 @@ def _run(cfg: CacheJobConfig, info: DistInfo, device: torch.device) -> Path:
         return cache_dir
 
     storage = parse_dtype(cfg.cache.storage_dtype)
+    if device.type == "cpu":
+        keep_freed_memory()  # each batch's activations reuse the last batch's memory (core/host_memory.py)
     mine = [s for s in range(len(prep.plan.shards)) if s % info.world_size == info.rank]
     todo = [s for s in mine if complete_shard(cache_dir, s, verify=cfg.cache.verify_on_resume) is None]
     if len(todo) < len(mine):

@@ -413,6 +413,7 @@ def probe_box(cache_job: Any, train_job: Any, eval_job: Any, conversations: int 
     import dataclasses
 
     from fledge.core.dist import DistInfo, pick_device
+    from fledge.core.host_memory import keep_freed_memory
     from fledge.data.cache_bench import bare_forward
     from fledge.data.cache_job import prepare
     from fledge.data.prompt_sets import load_prompts
@@ -424,6 +425,8 @@ def probe_box(cache_job: Any, train_job: Any, eval_job: Any, conversations: int 
 
     start = time.perf_counter()
     device = pick_device(cache_job.cache.device)
+    if device.type == "cpu":
+        keep_freed_memory()  # the cache and training stages run under it: measure their rates under it too
     limit = conversations or PROBE_CONVERSATIONS
     job = dataclasses.replace(cache_job, data=dataclasses.replace(cache_job.data, max_conversations=limit))
     prep = prepare(job, DistInfo(), device)

@@ -101,6 +101,20 @@ def test_rerun_of_a_complete_cache_does_nothing(built, tiny_verifier_dir):
     assert before == {p: p.stat().st_mtime_ns for p in (cache_dir / "shards").iterdir()}
 
 
+def test_a_cpu_cache_keeps_freed_host_memory_and_a_complete_one_does_not_ask(built, tiny_verifier_dir, tmp_path,
+                                                                            monkeypatch):
+    import fledge.data.cache_job as cache_job
+
+    calls = []
+    monkeypatch.setattr(cache_job, "keep_freed_memory", lambda: calls.append(1) or True)
+    source, cache_dir = built
+    run_stage("cache", cache_overrides(tiny_verifier_dir, source, cache_dir))  # complete: nothing runs
+    assert calls == []
+    run_stage("cache", cache_overrides(tiny_verifier_dir, source, tmp_path / "fresh"))
+    assert calls == [1]
+    assert shard_bytes(tmp_path / "fresh") == shard_bytes(cache_dir)
+
+
 def test_a_cache_of_an_earlier_fledge_reads_reruns_and_resumes(built, tiny_verifier_dir, tmp_path):
     # its plan was plan.json before 2026-12-05
     source, clean = built
