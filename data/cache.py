@@ -242,7 +242,7 @@ def _check_written(tmp: Path, final_path: Path, data: bytes, digest: str) -> Non
         finally:
             os.close(fd)
     # The bytes themselves, not a second hash: the same check at a fraction of the CPU (the writer thread shares the
-    # CPU with the verifier's forward; docs/design.md, "The cache at the forward's speed").
+    # CPU with the verifier's forward; docs/experiments/2026-12-05-training-peak.md, "The cache").
     if tmp.read_bytes() == data:
         return
     found = sha256_file(tmp)
