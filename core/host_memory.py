@@ -20,6 +20,7 @@ import ctypes.util
 import logging
 import os
 import sys
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +34,13 @@ OPT_OUT = "FLEDGE_HOST_MALLOC"
 _done: bool | None = None
 
 
-def keep_freed_memory() -> bool:
-    """Set glibc's ``malloc`` to keep freed memory in the heap (once per process); True where it is set. False on
-    other C libraries (macOS, musl), where ``mallopt`` is absent, and with ``FLEDGE_HOST_MALLOC=system``."""
+def keep_freed_memory(device: Any = "cpu") -> bool:
+    """Set glibc's ``malloc`` to keep freed memory in the heap (once per process) for work on ``device`` (a
+    ``torch.device`` or its type's name); True where it is set. False, and nothing set, for a device other than the
+    CPU (its large tensors are not host memory), on other C libraries (macOS, musl), where ``mallopt`` is absent, and
+    with ``FLEDGE_HOST_MALLOC=system``."""
+    if getattr(device, "type", device) != "cpu":
+        return False
     global _done
     if _done is not None:
         return _done

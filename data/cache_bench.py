@@ -75,8 +75,7 @@ def _sync(device: torch.device) -> None:
 def run(cfg: CacheBenchConfig) -> dict:
     info = DistInfo()
     device = pick_device(cfg.cache.device, info)
-    if device.type == "cpu":
-        keep_freed_memory()  # as the cache stage does: both the bare forward and the cache run under it
+    keep_freed_memory(device)  # as the cache stage does: both the bare forward and the cache run under it
     job = CacheJobConfig(verifier=cfg.verifier, data=cfg.data, cache=cfg.cache)
     prep = prepare(job, info, device)
     batches = [b for shard in prep.plan.shards for b in shard]

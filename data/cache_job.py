@@ -394,8 +394,7 @@ def _run(cfg: CacheJobConfig, info: DistInfo, device: torch.device) -> Path:
         return cache_dir
 
     storage = parse_dtype(cfg.cache.storage_dtype)
-    if device.type == "cpu":
-        keep_freed_memory()  # each batch's activations reuse the last batch's memory (core/host_memory.py)
+    keep_freed_memory(device)  # each batch's activations reuse the last batch's memory (core/host_memory.py)
     mine = [s for s in range(len(prep.plan.shards)) if s % info.world_size == info.rank]
     todo = [s for s in mine if complete_shard(cache_dir, s, verify=cfg.cache.verify_on_resume) is None]
     if len(todo) < len(mine):

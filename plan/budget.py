@@ -426,8 +426,7 @@ def probe_box(cache_job: Any, train_job: Any, eval_job: Any, conversations: int 
 
     start = time.perf_counter()
     device = pick_device(cache_job.cache.device)
-    if device.type == "cpu":
-        keep_freed_memory()  # the cache and training stages run under it: measure their rates under it too
+    keep_freed_memory(device)  # the cache and training stages run under it: measure their rates under it too
     limit = conversations or PROBE_CONVERSATIONS
     job = dataclasses.replace(cache_job, data=dataclasses.replace(cache_job.data, max_conversations=limit))
     prep = prepare(job, DistInfo(), device)

@@ -106,12 +106,12 @@ def test_a_cpu_cache_keeps_freed_host_memory_and_a_complete_one_does_not_ask(bui
     import fledge.data.cache_job as cache_job
 
     calls = []
-    monkeypatch.setattr(cache_job, "keep_freed_memory", lambda: calls.append(1) or True)
+    monkeypatch.setattr(cache_job, "keep_freed_memory", lambda device: calls.append(device.type) or True)
     source, cache_dir = built
     run_stage("cache", cache_overrides(tiny_verifier_dir, source, cache_dir))  # complete: nothing runs
     assert calls == []
     run_stage("cache", cache_overrides(tiny_verifier_dir, source, tmp_path / "fresh"))
-    assert calls == [1]
+    assert calls == ["cpu"]
     assert shard_bytes(tmp_path / "fresh") == shard_bytes(cache_dir)
 
 

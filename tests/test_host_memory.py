@@ -12,6 +12,7 @@ import pytest
 PROBE = """
 import resource, statistics, torch
 from fledge.core.host_memory import keep_freed_memory
+assert keep_freed_memory(torch.device("cuda")) is False  # a GPU's tensors are not host memory: nothing is set
 on = keep_freed_memory()
 def step():  # as a training step: large tensors allocated, written, used together and freed, the same each step
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -230,8 +230,7 @@ def bench_dtype(
     verifier's states for token ids, as a padded CPU batch) the steps train on the verifier's states of the
     synthetic token ids; with ``online`` too, each timed step computes them first (``capture_s``: that part)."""
     device = pick_device(cfg.device) if device is None else device
-    if device.type == "cpu":
-        keep_freed_memory()  # as training does (core/host_memory.py)
+    keep_freed_memory(device)  # as training does (core/host_memory.py)
     config = cfg.draft_config()
     gen = torch.Generator().manual_seed(cfg.seed)
     draft = Eagle3Draft(config, seed=cfg.seed)

@@ -222,8 +222,7 @@ def run(cfg: TrainJobConfig) -> TrainResult:
 def train(cfg: TrainJobConfig, info: DistInfo, device: torch.device) -> TrainResult:
     """The run: data, draft and engine, resume, the loop, the final draft."""
     seed_everything(cfg.train.seed)
-    if device.type == "cpu":
-        keep_freed_memory()  # each step's large tensors reuse the last step's memory (core/host_memory.py)
+    keep_freed_memory(device)  # each step's large tensors reuse the last step's memory (core/host_memory.py)
     output_dir = Path(cfg.output_dir)
     ckpt_dir = cfg.checkpoint_dir
 
