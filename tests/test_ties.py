@@ -58,6 +58,38 @@ def test_in_bf16_the_rounding_is_measured_against_a_float32_copy(model):
     assert judge._reference is None
 
 
+def test_a_kernel_that_rounds_one_token_steps_apart_is_a_tie_not_a_mismatch(model):
+    """Plain decoding checks one token at a time; some CPU kernels round one-row products differently from the
+    blocks the two draws use. Simulated: every one-token forward of the bf16 verifier lifts one token's logit by 0.6.
+    Plain decoding then emits it where the float32 argmax leads it by less: the third draw (one-token steps) sees the
+    shift and calls those ties, where the two block-shaped draws alone called some of them mismatches; a token far
+    below the argmax stays a mismatch."""
+    bf16 = model.to(torch.bfloat16)
+    lifted, state = 7, {"length": 0}
+    bf16.model.embed_tokens.register_forward_pre_hook(lambda m, args: state.update(length=args[0].shape[-1]))
+
+    def lift(module, args, out):
+        if state["length"] == 1:
+            out = out.clone()
+            out[..., lifted] += 0.6
+        return out
+
+    bf16.lm_head.register_forward_hook(lift)
+    plain = generate_plain(bf16, PROMPT, max_new_tokens=24).tokens
+    judge = TieJudge(bf16)
+    check = judge.recheck("p", PROMPT, plain)
+    shifted = [t["position"] for t in check.ties if t["token"] == lifted and t["gap"] > 0.1]
+    assert len(shifted) >= 3 and not check.mismatches, check
+    # Without the third draw the same positions fall outside the two draws' band.
+    judge._third_draw = lambda *args: {}
+    assert [m["position"] for m in TieJudge.recheck(judge, "p", PROMPT, plain).mismatches] == shifted
+    del judge._third_draw
+    # A loop token far below the argmax is still a mismatch with the third draw.
+    prefix = torch.cat([PROMPT, torch.tensor(plain[:2])])
+    worst = int(judge.reference(input_ids=prefix.view(1, -1)).logits[0, -1].argmin())
+    assert judge.judge("p", PROMPT, plain, plain[:2] + [worst]).kind == "mismatch"
+
+
 def test_evaluate_reports_ties_and_mismatches_and_the_job_fails_on_a_mismatch(tiny_verifier_dir, monkeypatch):
     verifier = load_verifier(VerifierConfig(name_or_path=str(tiny_verifier_dir), dtype="float32"))
     real_decode = batch_eval.decode_rows
