@@ -11,10 +11,12 @@ the outputs alone. So at each first difference the two competing tokens are scor
   draw makes to the two tokens' logits or to the position's top-8;
 * the gap: |l32(plain's token) - l32(the loop's token)|.
 
-Where those two draws leave a mismatch, a third is taken at that position before calling it one: the prefix cached
-and its last token alone, as plain decoding checks one token at a time (``TieJudge._stepped``). On an AMD EPYC with
+Where those two draws leave a mismatch, a third is taken at that position before calling it one: the prompt cached
+and every later token checked alone, as plain decoding checks them (``TieJudge._stepped``). On an AMD EPYC with
 AVX512-BF16 (oneDNN's one-row bf16 products) plain decoding itself once chose a token 0.324 logits below the float32
-argmax where the two block-shaped draws gave a band of 0.317: the baseline was reported as inexact.
+argmax where the two block-shaped draws gave a band of 0.317: the baseline was reported as inexact. Replayed one
+token at a time, both tokens' bf16 logits there were 20.5 (float32: 20.547 and 20.223), a tie that the first index
+wins; the prefix cached in one forward and only its last token alone gave 20.5 and 20.25, not enough.
 
 The difference is a **tie** when the gap is within what rounding can flip, ``gap <= 2δ + tolerance·eps·scale`` (each
 logit may move by δ; ``eps`` is the dtype's machine epsilon and ``scale`` the larger |logit| of the two tokens, so
@@ -161,28 +163,37 @@ class TieJudge:
         return torch.cat(blocks)[-keep:]
 
     @torch.inference_mode()
-    def _stepped(self, ids: torch.Tensor) -> torch.Tensor:
-        """The next-token logits [1, V] in float32 after ``ids``, computed as plain decoding computes them: the
-        tokens before the last cached in one forward, the last one alone through the cache (one-row products,
-        which some CPU kernels round differently from the blocks of ``_blocked``)."""
+    def _stepped(self, ids: torch.Tensor, start: int, lengths: list[int]) -> dict[int, torch.Tensor]:
+        """The next-token logits [1, V] in float32 after each prefix ``ids[:n]`` of ``lengths``, computed as plain
+        decoding computes them: the first ``start`` tokens cached in one forward (the prompt but its last token),
+        then every later token alone through the cache, one-row products each (which some CPU kernels round
+        differently from the blocks of ``_blocked``), so that the cached keys and values are plain decoding's too."""
         ids = ids.view(1, -1).to(self.device)
+        start = max(0, min(start, min(lengths) - 1))
         cache = DynamicCache()
         kwarg = {cache_kwarg(self.model): cache}
-        if ids.shape[1] > 1:
-            self.model(input_ids=ids[:, :-1], use_cache=True, logits_to_keep=1, **kwarg)
-        return self.model(input_ids=ids[:, -1:], use_cache=True, **kwarg).logits[0].float()
+        if start > 0:
+            self.model(input_ids=ids[:, :start], use_cache=True, logits_to_keep=1, **kwarg)
+        out = {}
+        for at in range(start, max(lengths)):
+            logits = self.model(input_ids=ids[:, at : at + 1], use_cache=True, **kwarg).logits[0]
+            if at + 1 in lengths:
+                out[at + 1] = logits.float()
+        return out
 
-    def _third_draw(self, ids: torch.Tensor, keep: int, rows: list[int], exact: torch.Tensor,
+    def _third_draw(self, ids: torch.Tensor, start: int, keep: int, rows: list[int], exact: torch.Tensor,
                     rounded: list[torch.Tensor], a: torch.Tensor, b: torch.Tensor) -> dict[int, tuple]:
         """(gap, δ, threshold) again at ``rows`` (of the last ``keep`` positions after ``ids``) with a third draw of
-        the rounding, in one-token steps (``_stepped``): asked only where the first two leave a mismatch, since a
-        decoder that checks one token at a time (plain decoding) rounds as neither of them does."""
-        if self.reference is self.model:
+        the rounding, in one-token steps after the first ``start`` tokens (``_stepped``, one replay for all rows):
+        asked only where the first two leave a mismatch, since a decoder that checks one token at a time (plain
+        decoding) rounds as neither of them does."""
+        if self.reference is self.model or not rows:
             return {}
+        length = {i: ids.numel() - keep + i + 1 for i in rows}
+        stepped = self._stepped(ids, start, sorted(length.values()))
         out = {}
         for i in rows:
-            prefix = ids[: ids.numel() - keep + i + 1]
-            draws = [r[i : i + 1] for r in rounded] + [self._stepped(prefix)]
+            draws = [r[i : i + 1] for r in rounded] + [stepped[length[i]]]
             gap, rounding, threshold = tie_band(exact[i : i + 1], draws, a[i : i + 1], b[i : i + 1], self.eps,
                                                 self.tolerance)
             out[i] = (float(gap[0]), float(rounding[0]), float(threshold[0]))
@@ -208,7 +219,8 @@ class TieJudge:
         ta, tb = torch.tensor([a], device=exact.device), torch.tensor([b], device=exact.device)
         gap, rounding, threshold = (float(x[0]) for x in tie_band(exact, rounded, ta, tb, self.eps, self.tolerance))
         if gap > threshold:
-            gap, rounding, threshold = self._third_draw(prefix, 1, [0], exact, rounded, ta, tb).get(
+            start = prompt_ids.numel() - 1
+            gap, rounding, threshold = self._third_draw(prefix, start, 1, [0], exact, rounded, ta, tb).get(
                 0, (gap, rounding, threshold))
         kind = "tie" if gap <= threshold else "mismatch"
         return Divergence(str(prompt_id), position, a, b, kind, gap, rounding, threshold)
@@ -226,7 +238,8 @@ class TieJudge:
         other = torch.where(out == top2[:, 0], top2[:, 1], out)
         gap, rounding, threshold = tie_band(exact, rounded, top2[:, 0], other, self.eps, self.tolerance)
         off = torch.nonzero(out != top2[:, 0]).flatten().tolist()
-        again = self._third_draw(ids, n, [i for i in off if gap[i] > threshold[i]], exact, rounded, top2[:, 0], other)
+        wide = [i for i in off if gap[i] > threshold[i]]
+        again = self._third_draw(ids, prompt_ids.numel() - 1, n, wide, exact, rounded, top2[:, 0], other)
         ties, mismatches = [], []
         for i in off:
             g, r, t = again.get(i, (float(gap[i]), float(rounding[i]), float(threshold[i])))
