@@ -450,10 +450,14 @@ class DraftHead(nn.Linear):
         chunk: int = 1024,
         teacher_top: torch.Tensor | None = None,
         compiled: bool = False,
+        fed: torch.Tensor | None = None,
+        top_k: int = 0,
     ):
         if teacher is None:
             return super().forward(x)
-        return fused_soft_cross_entropy(x, self.weight, teacher, index, row_weight, chunk, teacher_top, compiled)
+        return fused_soft_cross_entropy(
+            x, self.weight, teacher, index, row_weight, chunk, teacher_top, compiled, fed=fed, top_k=top_k
+        )
 
 
 class Eagle3Draft(nn.Module):

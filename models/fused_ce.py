@@ -102,7 +102,9 @@ _transposed = Compiled(transposed, eager=_eager_transposed)
 
 class _FusedSoftCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, teacher, teacher_top, index, row_weight, chunk, compute_dtype, want_grad, compiled):
+    def forward(
+        ctx, x, weight, teacher, teacher_top, index, row_weight, chunk, compute_dtype, want_grad, compiled, fed, top_k
+    ):
         n, h = x.shape
         v = weight.shape[0]
         exact = torch.promote_types(compute_dtype, torch.float32)  # float32, or float64 in the equality tests
@@ -111,6 +113,7 @@ class _FusedSoftCrossEntropy(torch.autograd.Function):
         need_w = want_grad and ctx.needs_input_grad[1]
         ce = torch.empty(n, dtype=exact, device=x.device)
         correct = torch.empty(n, dtype=torch.bool, device=x.device)
+        in_top = torch.zeros(n if fed is not None else 0, dtype=torch.bool, device=x.device)
         grad_x = torch.empty_like(x) if need_x else None
         # The products read and write row-major [H, V] blocks: the head transposed (w_t), the weight gradient
         # transposed (grad_wt, turned back once in the backward), the input gradient as w_t @ g.T. Each output goes
@@ -131,6 +134,10 @@ class _FusedSoftCrossEntropy(torch.autograd.Function):
                 r = xc.shape[0]
                 logits = torch.mm(xc, w_t, out=logits_buf[: r * v].view(r, v))
                 g = grad_buf[: r * v].view(r, v) if grad_buf is not None else None
+                if fed is not None:
+                    ids = fed[rows]
+                    mine = logits.gather(1, ids.clamp(min=0)[:, None])
+                    in_top[rows] = ((logits > mine).sum(-1) < top_k) & (ids >= 0)
                 ce[rows], correct[rows] = _terms(
                     logits, teacher, index[rows], teacher_top, row_weight[rows], g, compiled=compiled
                 )
@@ -144,18 +151,18 @@ class _FusedSoftCrossEntropy(torch.autograd.Function):
         ctx.save_for_backward(grad_x, grad_wt)
         ctx.weight_dtype = weight.dtype
         ctx.compiled = compiled
-        ctx.mark_non_differentiable(ce, correct)
-        return loss, ce, correct
+        ctx.mark_non_differentiable(ce, correct, in_top)
+        return loss, ce, correct, in_top
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_ce, _grad_correct):
+    def backward(ctx, grad_loss, _grad_ce, _grad_correct, _grad_in_top):
         grad_x, grad_wt = ctx.saved_tensors
         if grad_x is not None:
             grad_x = grad_x * grad_loss.to(grad_x.dtype)
         grad_w = None
         if grad_wt is not None:
             grad_w = _transposed(grad_wt, ctx.weight_dtype, grad_loss, compiled=ctx.compiled)
-        return grad_x, grad_w, None, None, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, None, None, None, None
 
 
 def fused_soft_cross_entropy(
@@ -167,7 +174,9 @@ def fused_soft_cross_entropy(
     chunk: int,
     teacher_top: torch.Tensor | None = None,
     compiled: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    fed: torch.Tensor | None = None,
+    top_k: int = 0,
+) -> tuple[torch.Tensor, ...]:
     """sum_i row_weight[i] * CE_i, with CE_i = -sum_v teacher[index[i], v] * log_softmax(x[i] @ weight.T)[v].
 
     x [N, H] (the normed hidden states of the counted positions), weight [V, H] (the head), teacher [M, V] float32
@@ -177,7 +186,9 @@ def fused_soft_cross_entropy(
     loss with grad, CE [N] float32 (float64 for float64 weights), top-1 agreement [N] bool),
     the last two detached. Gradients are computed only when grad mode is on and x or weight requires them.
     ``compiled``: each chunk's terms through ``torch.compile`` (``chunk_terms``; where it cannot compile, eagerly,
-    ``core/compile.py``).
+    ``core/compile.py``). ``fed`` [N] int64, with ``top_k`` >= 1: a draft id per position (-1: none), and a fourth
+    result, bool [N]: whether that id is among the position's ``top_k`` largest logits (in the compute dtype; ties
+    with the id's own logit count in its favour), for the TTT loss's reachability mask (``TTTConfig.mask_top_k``).
     """
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
@@ -191,8 +202,11 @@ def fused_soft_cross_entropy(
     device = x.device.type
     compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
     want_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if fed is not None and (fed.shape != (x.shape[0],) or top_k < 1):
+        raise ValueError(f"fed {tuple(fed.shape)} must be [{x.shape[0]}], with top_k >= 1 (got {top_k})")
     if teacher_top is None:
         teacher_top = teacher.max(-1).indices
-    return _FusedSoftCrossEntropy.apply(
-        x, weight, teacher, teacher_top, index, row_weight, chunk, compute, want_grad, compiled
+    loss, ce, correct, in_top = _FusedSoftCrossEntropy.apply(
+        x, weight, teacher, teacher_top, index, row_weight, chunk, compute, want_grad, compiled, fed, top_k
     )
+    return (loss, ce, correct) if fed is None else (loss, ce, correct, in_top)

@@ -22,9 +22,9 @@ from conftest import read_jsonl
 from test_train_fixtures import build_cache, shared_root, train_overrides
 from wandb_reader import read_wandb_history
 
-TRAIN_KEYS = {"loss", "ploss_0", "ploss_1", "ploss_2", "acc_0", "acc_1", "acc_2", "tau_sim", "lr", "grad_norm",
-              "tokens_per_s", "skipped_steps"}
-EVAL_KEYS = {"eval/loss", "eval/ploss_0", "eval/acc_0", "eval/acc_2", "eval/tau_sim"}
+TRAIN_KEYS = {"loss", "ploss_0", "ploss_1", "ploss_2", "acc_0", "acc_1", "acc_2", "tau_sim", "tau_chain", "lr",
+              "grad_norm", "tokens_per_s", "skipped_steps"}
+EVAL_KEYS = {"eval/loss", "eval/ploss_0", "eval/acc_0", "eval/acc_2", "eval/tau_sim", "eval/tau_chain"}
 
 
 @pytest.fixture(scope="module")

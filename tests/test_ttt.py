@@ -325,6 +325,7 @@ def test_loss_alignment_by_hand() -> None:
         teacher = full[..., draft.t2d].softmax(-1)
         top1_in_vocab = draft.t2d[full.argmax(-1)]
         outs = list(ttt_unroll(draft, draft.fuse(batch["aux"]), batch["input_ids"], steps))
+        trained = batch["loss_mask"].bool() & batch["attention_mask"].bool()
         total, dropped = 0.0, 0
         for k in range(steps):
             terms, hits = [], []
@@ -349,8 +350,82 @@ def test_loss_alignment_by_hand() -> None:
             assert metrics[f"ploss_{k}"] == pytest.approx(ploss, rel=1e-6)
             assert metrics[f"acc_{k}"] == pytest.approx(sum(hits) / len(hits), abs=1e-6)
             total += decay**k * ploss
+        # tau_chain: from each position of step 0, the steps in a row whose top-1 is the teacher's
+        lengths = 0
+        for row in range(b):
+            for i in range(t):
+                for k in range(steps):
+                    predicted = i + k + 2
+                    if predicted >= t or not trained[row, predicted] or not top1_in_vocab[row, i + k + 1]:
+                        break
+                    if draft.logits(outs[k][row, i]).argmax() != teacher[row, i + k + 1].argmax():
+                        break
+                    lengths += 1
     assert dropped > 0, "the test needs positions whose verifier top-1 is outside the draft vocabulary"
     assert float(loss.detach()) == pytest.approx(total, rel=1e-6) and metrics["loss"] == pytest.approx(total, rel=1e-6)
+    assert metrics["tau_chain"] == pytest.approx(1.0 + lengths / float(metrics["tokens"]), abs=1e-6)
+
+
+@pytest.mark.parametrize("top_k", [4, 10])
+def test_reachability_mask_by_hand(top_k: int) -> None:
+    """``mask_top_k`` (GRIFFIN's mask): step k >= 1 keeps a position only while every token its chain was fed so far
+    was among the draft's top K at the step before; the loss and every gradient recomputed position by position."""
+    draft = tiny_draft(seed=4)
+    b, t, steps, decay = 4, 24, 3, 0.8
+    batch = random_batch(draft, b, t, seed=4, pad=[0, 2])
+    # Every token trained, fed from the draft vocabulary, and a teacher whose top-1 is mostly in it: more chains
+    # survive to be checked.
+    batch["loss_mask"] = batch["attention_mask"].clone()
+    batch["input_ids"] = draft.t2d.nonzero().squeeze(1)[batch["input_ids"] % draft.config.draft_vocab_size]
+    head = random_head(draft, seed=4)
+    head[~draft.t2d] *= 0.2
+    cfg = TTTConfig(ttt_steps=steps, step_decay=decay, mask_top_k=top_k, loss_chunk=5)
+    params = [p for p in draft.parameters() if p.requires_grad]
+    draft.zero_grad(set_to_none=True)
+    loss, metrics = ttt_forward(draft, batch, head, cfg)
+    loss.backward()
+    got = [p.grad.clone() for p in params]
+
+    draft.zero_grad(set_to_none=True)
+    to_draft = torch.cumsum(draft.t2d.long(), 0) - 1
+    full = batch["final"] @ head.T
+    # the teacher's probabilities are float32 in training (``teacher_targets``)
+    teacher = (batch["final"].float() @ head[draft.t2d].float().T).softmax(-1).double()
+    top1_in_vocab = draft.t2d[full.argmax(-1)]
+    outs = list(ttt_unroll(draft, draft.fuse(batch["aux"]), batch["input_ids"], steps))
+    trained = batch["loss_mask"].bool() & batch["attention_mask"].bool()
+    reach = torch.ones(b, t, dtype=torch.bool)
+    want = 0.0
+    kept = []
+    for k in range(steps):
+        terms, next_reach = [], torch.zeros(b, t, dtype=torch.bool)
+        for row in range(b):
+            for i in range(t):
+                predicted = i + k + 2
+                if predicted >= t or not trained[row, predicted] or not top1_in_vocab[row, i + k + 1]:
+                    continue
+                if not reach[row, i]:
+                    continue
+                logits = draft.logits(outs[k][row, i])
+                terms.append(-(teacher[row, i + k + 1] * F.log_softmax(logits, -1)).sum())
+                fed = int(batch["input_ids"][row, predicted])
+                if draft.t2d[fed]:
+                    mine = logits[to_draft[fed]]
+                    next_reach[row, i] = bool((logits > mine).sum() < top_k)
+        kept.append(len(terms))
+        if terms:
+            want = want + decay**k * torch.stack(terms).mean()
+        reach = next_reach
+    assert kept[0] > kept[1] > kept[2] > 0, kept
+    want.backward()
+    assert float(loss.detach()) == pytest.approx(float(want.detach()), rel=1e-9)
+    for g, p in zip(got, params):
+        torch.testing.assert_close(g, p.grad, **TOL)
+    # Held out (no grad) every position counts, as without the mask.
+    with torch.no_grad():
+        _, masked = ttt_forward(draft, batch, head, cfg)
+        _, plain = ttt_forward(draft, batch, head, TTTConfig(ttt_steps=steps, step_decay=decay))
+    assert masked == plain
 
 
 def test_padding_and_untrained_positions_do_not_leak() -> None:
@@ -395,6 +470,8 @@ def test_ttt_config_validation() -> None:
         TTTConfig(step_decay=1.5)
     with pytest.raises(ConfigError, match="ttt.attention must be one of auto, flash, blocks"):
         TTTConfig(attention="dense")
+    with pytest.raises(ConfigError, match="ttt.mask_top_k must be >= 0"):
+        TTTConfig(mask_top_k=-1)
 
 
 def test_draft_overfits_a_tiny_verifier_cache() -> None:

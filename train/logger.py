@@ -7,6 +7,8 @@ Records are flat dicts: ``loss``, ``ploss_i``, ``acc_i``, ``tau_sim``, ``lr``, `
 ``tau_sim = 1 + sum_k prod_{i<=k} acc_i``: draft token k is accepted only if tokens 0..k are, and acc_i stands in
 for the conditional acceptance of depth i (the TTT unroll conditions step i on the draft's own earlier steps, as
 inference does). It is an estimate for comparing runs; eval/ measures the real tau with the speculative loop.
+``tau_chain`` is counted rather than implied: from each position, the unroll's steps in a row whose top-1 is the
+teacher's (``train.ttt.ttt_forward``), which does not assume the steps' agreements independent.
 """
 
 from __future__ import annotations

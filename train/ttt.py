@@ -64,6 +64,11 @@ class TTTConfig:
     """With ``blocks``: sequences longer than this run the attention in blocks of this many query rows, each
     recomputed in the backward rather than kept; 0 never does. Same numbers, less memory, a second forward of the
     attention."""
+    mask_top_k: int = 0
+    """0: every counted position of every step trains. K >= 1: GRIFFIN's loss mask (arXiv 2502.11018): a position
+    of step k >= 1 trains only if, at each earlier step of its chain, the token fed next was among the draft's K
+    most likely, i.e. the states a top-K tree can reach; each step's loss is the mean over the positions it keeps.
+    Training only (held-out figures count every position); the head then runs once per step."""
 
     def __post_init__(self) -> None:
         if self.ttt_steps < 1:
@@ -78,6 +83,8 @@ class TTTConfig:
             raise ConfigError(f"ttt.loss_chunk must be >= 1, got {self.loss_chunk}")
         if self.teacher_chunk < 1:
             raise ConfigError(f"ttt.teacher_chunk must be >= 1, got {self.teacher_chunk}")
+        if self.mask_top_k < 0:
+            raise ConfigError(f"ttt.mask_top_k must be >= 0 (0: off), got {self.mask_top_k}")
 
 
 FAST_MARGIN_ULPS = {"cpu": 3.0}
@@ -383,8 +390,10 @@ def ttt_forward(
 
     batch: input_ids [B, T] int64, loss_mask [B, T] 0/1, attention_mask [B, T] (1 = token, 0 = right padding),
     aux [B, T, 3*Ht], final [B, T, Ht]. Returns (loss with grad, {"ploss_k", "acc_k" for each step, "loss",
-    "tokens" = positions counted at step 0}). The metrics are detached 0-dim float32 tensors on the batch's
-    device: reading them is a host sync, which the training loop does once per log record, not per micro-batch.
+    "tokens" = positions counted at step 0, "tau_chain" = 1 + the mean number of steps in a row, from each position
+    of step 0, whose top-1 agrees with the teacher's: greedy chain drafting's acceptance length on this text}).
+    The metrics are detached 0-dim float32 tensors on the batch's device: reading them is a host sync, which the
+    training loop does once per log record, not per micro-batch.
     (The gather of the counted positions, ``nonzero``, still syncs once per step of the unroll: its size decides
     the shape of the head's product.)
 
@@ -426,43 +435,85 @@ def ttt_forward(
     slot[needed] = torch.arange(needed.numel(), device=input_ids.device)
 
     fused = draft.fuse(batch["aux"])
-    states, index, weights, counts = [], [], [], []
     unroll = ttt_unroll(draft, fused, input_ids, cfg.ttt_steps, cfg.attention_chunk, cfg.attention, compiled_layer)
+    device = input_ids.device
+    masked = cfg.mask_top_k > 0 and torch.is_grad_enabled()
+    if masked:
+        to_draft = torch.cumsum(draft.t2d.long(), 0) - 1
+        to_draft = torch.where(draft.t2d, to_draft, -1).to(device)
+    reach = None  # [B, T] with the mask: the chains whose fed tokens were all in the draft's top K so far
+    where, parts, counts = [], [], []
+    states, index, weights = [], [], []
     for k, hidden in enumerate(unroll):
         counted = shift_left(trained, k + 2, False) & shift_left(in_vocab, k + 1, False)
+        if reach is not None:
+            counted &= reach
         rows, cols = counted.nonzero(as_tuple=True)
         n = rows.numel()
         counts.append(n)
+        where.append((rows, cols))
         if n:
             # Only counted positions go through lm_head: it is the widest matrix product of the unroll.
             states.append(hidden[rows, cols])
             index.append(slot[rows * t + cols + k + 1])
-            weights.append(torch.full((n,), cfg.step_decay**k / n, dtype=torch.float64, device=input_ids.device))
-    if not states:
-        # Nothing counted anywhere, but every rank must run the same modules every step: skipping the head and norm
-        # on one rank would leave its DDP buckets unready and its ZeRO-3 all-gathers unmatched by the others'
-        # (a hang). One row goes through them with weight 0: zero gradients, the same collectives everywhere.
-        states.append(hidden[:1, 0])
-        index.append(torch.zeros(1, dtype=torch.long, device=input_ids.device))
-        weights.append(torch.zeros(1, dtype=torch.float64, device=input_ids.device))
-    total, ce, correct = draft.lm_head(
-        draft.norm(torch.cat(states)),
-        teacher=teacher[0],
-        teacher_top=teacher_top[0],
-        index=torch.cat(index),
-        row_weight=torch.cat(weights),
-        chunk=cfg.loss_chunk,
-        compiled=compiled,
-    )
-    zero = torch.zeros((), dtype=torch.float32, device=input_ids.device)
+            weights.append(torch.full((n,), cfg.step_decay**k / n, dtype=torch.float64, device=device))
+        if not masked:
+            continue
+        # With the mask each step goes through the head as soon as it is unrolled: the next step's rows depend on
+        # which of this step's fed tokens its top K holds. Every rank still calls the head once per step.
+        if not n:
+            states.append(hidden[:1, 0])
+            index.append(torch.zeros(1, dtype=torch.long, device=device))
+            weights.append(torch.zeros(1, dtype=torch.float64, device=device))
+        fed = to_draft[shift_left(input_ids, k + 2)[rows, cols]] if n else torch.full((1,), -1, device=device)
+        loss_k, ce_k, correct_k, in_top = draft.lm_head(
+            draft.norm(states[0]), teacher=teacher[0], teacher_top=teacher_top[0], index=index[0],
+            row_weight=weights[0], chunk=cfg.loss_chunk, compiled=compiled, fed=fed, top_k=cfg.mask_top_k,
+        )
+        parts.append((loss_k, ce_k[:n], correct_k[:n]))
+        reach = torch.zeros(b, t, dtype=torch.bool, device=device)
+        reach[rows, cols] = in_top[:n]
+        states, index, weights = [], [], []
+    if masked:
+        total = torch.stack([p[0] for p in parts]).sum()
+        ce, correct = torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts])
+    else:
+        if not states:
+            # Nothing counted anywhere, but every rank must run the same modules every step: skipping the head and
+            # norm on one rank would leave its DDP buckets unready and its ZeRO-3 all-gathers unmatched by the
+            # others' (a hang). One row goes through them with weight 0: zero gradients, the same collectives
+            # everywhere.
+            states.append(hidden[:1, 0])
+            index.append(torch.zeros(1, dtype=torch.long, device=device))
+            weights.append(torch.zeros(1, dtype=torch.float64, device=device))
+        total, ce, correct = draft.lm_head(
+            draft.norm(torch.cat(states)),
+            teacher=teacher[0],
+            teacher_top=teacher_top[0],
+            index=torch.cat(index),
+            row_weight=torch.cat(weights),
+            chunk=cfg.loss_chunk,
+            compiled=compiled,
+        )
+    zero = torch.zeros((), dtype=torch.float32, device=device)
     metrics: dict[str, torch.Tensor] = {"tokens": zero + counts[0]}
+    # The chain's acceptance on this text: from each position of step 0, how many steps in a row agree with the
+    # teacher's top-1 (a step not counted ends the chain).
+    lead = torch.zeros(b, t, dtype=torch.bool, device=device)
+    lead[where[0]] = True
+    accepted = zero.clone()
     offset = 0
     for k, n in enumerate(counts):
+        agree = torch.zeros(b, t, dtype=torch.bool, device=device)
         if n:
             metrics[f"ploss_{k}"] = ce[offset : offset + n].mean().float()
             metrics[f"acc_{k}"] = correct[offset : offset + n].float().mean()
+            agree[where[k]] = correct[offset : offset + n]
         else:
             metrics[f"ploss_{k}"], metrics[f"acc_{k}"] = zero, zero
+        lead &= agree
+        accepted = accepted + lead.sum()
         offset += n
+    metrics["tau_chain"] = 1.0 + accepted / max(counts[0], 1)
     metrics["loss"] = total.detach().float()
     return total, metrics
