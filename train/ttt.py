@@ -398,7 +398,8 @@ def ttt_forward(
     the shape of the head's product.)
 
     The counted positions of all steps go through the head and the loss in one fused, chunked call
-    (``models.fused_ce``): no [positions, V_draft] tensor outlives its chunk. Row weights decay**k / n_k make the
+    (``models.fused_ce``; with ``cfg.mask_top_k``, one call per step, as the next step's positions depend on this
+    step's top K): no [positions, V_draft] tensor outlives its chunk. Row weights decay**k / n_k make the
     weighted sum exactly sum_k decay**k * ploss_k. ``compiled`` (``train.compile``): the loss's per-chunk terms
     through ``torch.compile``; ``compiled_layer``: the unroll's steps too (``ttt_unroll``). ``memo``: the teacher's
     in-vocabulary decisions of the conversations seen before, for a batch that names its ``rows`` (``InVocabMemo``;
