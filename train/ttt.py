@@ -382,6 +382,13 @@ def ttt_unroll(
         yield hidden
 
 
+def _idle_row(hidden: torch.Tensor, states: list, index: list, weights: list) -> None:
+    """One row of weight 0 for a head call that has nothing counted: zero gradients, the same modules run."""
+    states.append(hidden[:1, 0])
+    index.append(torch.zeros(1, dtype=torch.long, device=hidden.device))
+    weights.append(torch.zeros(1, dtype=torch.float64, device=hidden.device))
+
+
 def ttt_forward(
     draft: Eagle3Draft, batch: dict[str, torch.Tensor], verifier_head: torch.Tensor | TeacherHead, cfg: TTTConfig,
     compiled: bool = False, memo: InVocabMemo | None = None, compiled_layer: bool = False,
@@ -463,9 +470,7 @@ def ttt_forward(
         # With the mask each step goes through the head as soon as it is unrolled: the next step's rows depend on
         # which of this step's fed tokens its top K holds. Every rank still calls the head once per step.
         if not n:
-            states.append(hidden[:1, 0])
-            index.append(torch.zeros(1, dtype=torch.long, device=device))
-            weights.append(torch.zeros(1, dtype=torch.float64, device=device))
+            _idle_row(hidden, states, index, weights)
         fed = to_draft[shift_left(input_ids, k + 2)[rows, cols]] if n else torch.full((1,), -1, device=device)
         loss_k, ce_k, correct_k, in_top = draft.lm_head(
             draft.norm(states[0]), teacher=teacher[0], teacher_top=teacher_top[0], index=index[0],
@@ -484,9 +489,7 @@ def ttt_forward(
             # norm on one rank would leave its DDP buckets unready and its ZeRO-3 all-gathers unmatched by the
             # others' (a hang). One row goes through them with weight 0: zero gradients, the same collectives
             # everywhere.
-            states.append(hidden[:1, 0])
-            index.append(torch.zeros(1, dtype=torch.long, device=device))
-            weights.append(torch.zeros(1, dtype=torch.float64, device=device))
+            _idle_row(hidden, states, index, weights)
         total, ce, correct = draft.lm_head(
             draft.norm(torch.cat(states)),
             teacher=teacher[0],
