@@ -246,7 +246,10 @@ class TieJudge:
             row = {"position": i, "token": tokens[i], "argmax": int(top2[i, 0]), "gap": g, "rounding": r,
                    "threshold": t}
             (ties if g <= t else mismatches).append(row)
-        return Recheck(str(prompt_id), n, ties, mismatches, threshold.tolist())
+        bands = threshold.tolist()
+        for i, (_, _, t) in again.items():
+            bands[i] = t  # the band the position was judged by
+        return Recheck(str(prompt_id), n, ties, mismatches, bands)
 
     def close(self) -> None:
         self._reference = self.model if self.dtype == torch.float32 else None

@@ -80,6 +80,7 @@ def test_a_kernel_that_rounds_one_token_steps_apart_is_a_tie_not_a_mismatch(mode
     check = judge.recheck("p", PROMPT, plain)
     shifted = [t["position"] for t in check.ties if t["token"] == lifted and t["gap"] > 0.1]
     assert len(shifted) >= 3 and not check.mismatches, check
+    assert all(check.bands[t["position"]] == t["threshold"] for t in check.ties)  # the band each was judged by
     # Without the third draw the same positions fall outside the two draws' band.
     judge._third_draw = lambda *args: {}
     assert [m["position"] for m in TieJudge.recheck(judge, "p", PROMPT, plain).mismatches] == shifted
