@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from fledge.core.errors import ConfigError
 from fledge.core.files import sha256_file
 from fledge.data.cache import CacheError, CacheReader, plan_shards
 from fledge.launch.cli import run_stage
@@ -319,3 +320,34 @@ def test_plan_is_length_sorted_within_budget():
     for shard in plan.shards:
         for batch in shard:
             assert len(batch) <= 3 and len(batch) * max(lengths[i] for i in batch) <= 200 or len(batch) == 1
+
+
+def test_bench_cache_times_the_stage_and_its_parts(built, tiny_verifier_dir, tmp_path, capsys):
+    """`fledge bench cache` times the stage's own work: the shards its cache run writes and those its parts (the
+    capture alone, then the writes alone) write are the `fledge cache` stage's, byte for byte, every round; and each
+    figure is what its definition says."""
+    source, cache_dir = built
+    bench_dir = tmp_path / "bench"
+    args = [a for a in cache_overrides(tiny_verifier_dir, source, cache_dir) if not a.startswith("cache.dir=")]
+    out = run_stage("bench_cache", args + ["rounds=2", f"keep_dir={bench_dir}"])
+    text = capsys.readouterr().out
+    for label in ("bare forward", "ratio", "capture alone", "writes alone", "parts ratio"):
+        assert label in text
+    stage = shard_bytes(cache_dir)
+    assert len(stage) > 1
+    for folder in ("round-0", "round-1", "parts-0", "parts-1"):
+        assert shard_bytes(bench_dir / folder) == stage, folder
+    rounds = out["rounds"]
+    assert all(len(rounds[k]) == 2 for k in ("bare_s", "cache_s", "capture_s", "write_s"))
+    bare = min(rounds["bare_s"])
+    assert out["ratio"] == pytest.approx(bare / min(rounds["cache_s"]), rel=1e-12)
+    assert out["capture_over_bare"] == pytest.approx(min(rounds["capture_s"]) / bare - 1, rel=1e-12)
+    assert out["writes_over_bare"] == pytest.approx(min(rounds["write_s"]) / bare, rel=1e-12)
+    assert out["parts_ratio"] == pytest.approx(bare / (min(rounds["capture_s"]) + min(rounds["write_s"])), rel=1e-12)
+    reader = CacheReader(cache_dir)
+    assert out["tokens"] == sum(len(reader[i]["input_ids"]) for i in range(len(reader)))
+
+    without = run_stage("bench_cache", args + ["rounds=1", "parts=false"])
+    assert "parts_ratio" not in without and "capture_s" not in without["rounds"]
+    with pytest.raises(ConfigError, match="rounds must be >= 1"):
+        run_stage("bench_cache", args + ["rounds=0"])
