@@ -488,3 +488,39 @@ def test_later_epochs_take_the_teachers_in_vocabulary_decisions_from_the_memo_wi
     run_stage("train", train_overrides(cache, tmp_path / "fresh", **args))
     got, want = (load_file(tmp_path / run / "draft" / "model.safetensors") for run in ("memo", "fresh"))
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_step0_share_trains_step_0_alone_then_the_whole_unroll(cache, tmp_path, caplog):
+    """``ttt.step0_share=0.5`` of a 4-step run: steps 1-2 are a 1-step unroll's own (the same losses, bit for bit,
+    as a run with ``ttt.ttt_steps=1``), steps 3-4 train all 3 steps, and held-out figures always run all 3."""
+    args = {"train.max_steps": 4, "log.every": 1, "validation.every": 2, "validation.holdout": 4,
+            "checkpoint.every": 0}
+    with caplog.at_level("INFO", logger="fledge.train.loop"):
+        run_stage("train", train_overrides(cache, tmp_path / "share", **args, **{"ttt.step0_share": 0.5}))
+    assert "ttt.step0_share=0.5 reached after step 2: the whole 3-step unroll from here" in caplog.text
+    records = read_jsonl(tmp_path / "share" / "metrics.jsonl")
+    train = {r["step"]: r for r in records if "loss" in r}
+    held_out = [r for r in records if "eval/acc_0" in r]
+    later = [("acc_1" in train[s], "acc_2" in train[s]) for s in (1, 2, 3, 4)]
+    assert later == [(False, False)] * 2 + [(True, True)] * 2
+    assert [r["step"] for r in held_out] == [2, 4] and all("eval/acc_2" in r for r in held_out)
+    run_stage("train", train_overrides(cache, tmp_path / "one", **args, **{"ttt.ttt_steps": 1}))
+    one = {r["step"]: r for r in read_jsonl(tmp_path / "one" / "metrics.jsonl") if "loss" in r}
+    assert [train[s]["loss"] for s in (1, 2)] == [one[s]["loss"] for s in (1, 2)]
+    assert train[3]["loss"] != one[3]["loss"]
+    with pytest.raises(ConfigError, match=r"ttt.step0_share must lie in \[0, 1\)"):
+        run_stage("train", train_overrides(cache, tmp_path / "bad", **{"ttt.step0_share": 1.0}))
+
+
+def test_a_metric_window_averages_each_key_over_the_micro_batches_that_had_it():
+    from fledge.train.loop import MetricWindow
+
+    window = MetricWindow()
+    t = torch.tensor
+    window.add({"acc_0": t(0.2), "loss": t(1.0), "tokens": t(10.0)}, tokens=12)
+    window.add({"acc_0": t(0.4), "acc_1": t(0.1), "loss": t(3.0), "tokens": t(20.0)}, tokens=24)
+    window.add({"acc_0": t(0.6), "acc_1": t(0.3), "loss": t(5.0), "tokens": t(30.0)}, tokens=36)
+    record = window.reduce(seconds=2.0)
+    assert record["acc_0"] == pytest.approx(0.4) and record["loss"] == pytest.approx(3.0)
+    assert record["acc_1"] == pytest.approx(0.2)  # the two micro-batches that had it, not three
+    assert record["loss_tokens"] == 60.0 and record["tokens_per_s"] == 36.0 and record["tokens_total"] == 72

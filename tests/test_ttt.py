@@ -472,6 +472,34 @@ def test_ttt_config_validation() -> None:
         TTTConfig(attention="dense")
     with pytest.raises(ConfigError, match="ttt.mask_top_k must be >= 0"):
         TTTConfig(mask_top_k=-1)
+    with pytest.raises(ConfigError, match=r"ttt.step0_share must lie in \[0, 1\)"):
+        TTTConfig(step0_share=-0.1)
+    assert [TTTConfig(ttt_steps=3, step0_share=0.35).steps_at(p) for p in (0.0, 0.34, 0.35, 1.0)] == [1, 1, 3, 3]
+    assert TTTConfig(ttt_steps=3).steps_at(0.0) == 3
+
+
+def test_a_shorter_unroll_of_a_config_is_that_unrolls_own_loss() -> None:
+    """``steps=k`` of a longer config (``ttt.step0_share``'s first share) gives the loss, the gradients and the
+    metrics of a config of k steps, in float64; a length outside [1, ttt_steps] is refused."""
+    draft = tiny_draft()
+    batch = random_batch(draft, 2, 12, pad=[0, 3])
+    head = random_head(draft)
+
+    def run(cfg: TTTConfig, steps: int | None = None):
+        draft.zero_grad()
+        loss, metrics = ttt_forward(draft, batch, head, cfg, steps=steps)
+        loss.backward()
+        return loss.detach(), metrics, [p.grad.clone() for p in draft.parameters() if p.grad is not None]
+
+    for k in (1, 2):
+        got, want = run(TTTConfig(ttt_steps=3), steps=k), run(TTTConfig(ttt_steps=k))
+        torch.testing.assert_close(got[0], want[0], **TOL)
+        assert got[1].keys() == want[1].keys() and f"acc_{k}" not in got[1]
+        for a, b in zip(got[2], want[2]):
+            torch.testing.assert_close(a, b, **TOL)
+    for bad in (0, 4):
+        with pytest.raises(ValueError, match=r"steps must lie in \[1, ttt.ttt_steps=3\]"):
+            ttt_forward(draft, batch, head, TTTConfig(ttt_steps=3), steps=bad)
 
 
 def test_draft_overfits_a_tiny_verifier_cache() -> None:

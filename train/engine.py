@@ -94,6 +94,9 @@ class TTTModule(nn.Module):
         self.memo = InVocabMemo()
         """The teacher's in-vocabulary decisions per cached conversation, kept across epochs (``InVocabMemo``)."""
         self.ttt = ttt
+        self.steps: int | None = None
+        """The unroll's length of the training forwards from here (the loop sets it each step from
+        ``ttt.step0_share``); None: ``ttt.ttt_steps``. A forward without gradients (held-out) runs the whole unroll."""
         self.compute_dtype: str | None = None
         """The dtype the first forward really ran its matrix products in (the autocast dtype inside whatever the
         engine wrapped around it, else the weights'), so that a run records what ran, not what was asked."""
@@ -106,7 +109,9 @@ class TTTModule(nn.Module):
             on = torch.is_autocast_enabled(device.type)
             dtype = torch.get_autocast_dtype(device.type) if on else self.draft.fc.weight.dtype
             self.compute_dtype = str(dtype).removeprefix("torch.")
-        return ttt_forward(self.draft, batch, self.teacher, self.ttt, self.compiled, self.memo, self.compiled_layer)
+        steps = self.steps if torch.is_grad_enabled() else None
+        return ttt_forward(self.draft, batch, self.teacher, self.ttt, self.compiled, self.memo, self.compiled_layer,
+                           steps)
 
 
 DTYPE_NAMES = {"bf16": "bfloat16", "fp32": "float32"}

@@ -301,6 +301,13 @@ def train(cfg: TrainJobConfig, info: DistInfo, device: torch.device) -> TrainRes
         if share.spent() and state.step < total_steps:  # resumed after its time was spent: nothing left to train
             total_steps = state.step
         while state.step < total_steps:
+            # The unroll's length for this step: step 0 alone while ttt.step0_share lasts (the same on every rank:
+            # the time spent is rank 0's, handed round in the step's all-reduce).
+            steps = cfg.ttt.steps_at(max(share.fraction(), state.step / total_steps))
+            if steps != module.steps and module.steps is not None:
+                log.info("ttt.step0_share=%g reached after step %d: the whole %d-step unroll from here",
+                         cfg.ttt.step0_share, state.step, steps)
+            module.steps = steps
             micro_batches, position = bucket_sampler.next_step(sampler.DataPosition(state.epoch, state.batch))
             if position.epoch > 0 and isinstance(reader, FirstEpochSource) and not reader.complete:
                 paused = time.perf_counter()
@@ -573,7 +580,9 @@ class MetricWindow:
         self.keys: list[str] = []
         self.sums: torch.Tensor | None = None
         """float64 [len(keys)] on the device: the metrics summed over micro-batches."""
-        self.micro = 0
+        self.counts: list[int] = []
+        """Per key, the micro-batches that had it (known on the host: no device work)."""
+        self._zero = torch.zeros((), device=self.device)
         self.tokens = 0
         self.steps = 0
         self.grad_norm = 0.0
@@ -582,12 +591,23 @@ class MetricWindow:
         """Seconds spent in eval and checkpoints inside this window (excluded from tokens/s)."""
 
     def add(self, metrics: dict[str, torch.Tensor], tokens: int) -> None:
-        if self.sums is None:
-            self.keys = sorted(metrics)
-        values = torch.stack([torch.as_tensor(metrics[k], device=self.device) for k in self.keys]).double()
+        if sorted(metrics) != self.keys:
+            self._widen(metrics)
+        values = torch.stack([torch.as_tensor(metrics[k], device=self.device) if k in metrics else self._zero
+                              for k in self.keys]).double()
         self.sums = values if self.sums is None else self.sums + values
-        self.micro += 1
+        self.counts = [n + (k in metrics) for n, k in zip(self.counts, self.keys)]
         self.tokens += tokens
+
+    def _widen(self, metrics: dict[str, torch.Tensor]) -> None:
+        """Make room for keys this window has not seen (the unroll's later steps, once ``ttt.step0_share`` is
+        over): each key's mean is over the micro-batches that had it. Every rank widens at the same step."""
+        keys = sorted(set(self.keys) | set(metrics))
+        sums = torch.zeros(len(keys), dtype=torch.float64, device=self.device)
+        counts = dict(zip(self.keys, self.counts))
+        if self.sums is not None:
+            sums[[keys.index(k) for k in self.keys]] = self.sums
+        self.keys, self.sums, self.counts = keys, sums, [counts.get(k, 0) for k in keys]
 
     def add_step(self, grad_norm: float) -> None:
         self.steps += 1
@@ -602,13 +622,13 @@ class MetricWindow:
 
     def reduce(self, seconds: float) -> dict[str, float]:
         """A log record (a collective: every rank calls it at the same steps; the window's one host sync)."""
-        counts = torch.tensor([self.micro, self.tokens, self.tokens - self.flushed], dtype=torch.float64,
+        counts = torch.tensor([*self.counts, self.tokens, self.tokens - self.flushed], dtype=torch.float64,
                               device=self.device)
         local = counts if self.sums is None else torch.cat([self.sums, counts])
         total = all_reduce_sum(local).tolist()
-        micro, tokens, unflushed = total[-3:]
-        keys = self.keys
-        record = {k: total[i] / micro for i, k in enumerate(keys) if k != "tokens"}
+        tokens, unflushed = total[-2:]
+        keys, n = self.keys, len(self.keys)
+        record = {k: total[i] / total[n + i] for i, k in enumerate(keys) if k != "tokens"}
         record["loss_tokens"] = total[keys.index("tokens")] if "tokens" in keys else 0.0
         record["grad_norm"] = self.grad_norm / max(1, self.steps)
         record["tokens_per_s"] = tokens / max(seconds - self.paused, 1e-9)
