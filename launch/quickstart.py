@@ -161,7 +161,9 @@ def run_pipeline(cfg: QuickstartConfig) -> dict[str, Any]:
                 revise_epochs(plan, int(cached["num_tokens"]), timings["cache"]["seconds"])
             if stage == "train":  # its share of the budget (or a safety net), where the user set neither
                 given = {o.split("=", 1)[0] for o in overrides}
-                overrides += [o for o in train_overrides(plan) if o.split("=", 1)[0] not in given]
+                ttt = compose_config("train", overrides).ttt
+                overrides += [o for o in train_overrides(plan, ttt.step0_share, ttt.ttt_steps)
+                              if o.split("=", 1)[0] not in given]
             if stage == "eval" and "train" in ran:
                 revise_prompts(plan, timings["train"]["seconds"])
             size = plan.sizes[stage]

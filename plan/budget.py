@@ -307,17 +307,21 @@ def revise_epochs(plan: BudgetPlan, cached_tokens: int, cache_seconds: float) ->
     return epochs
 
 
-def train_overrides(plan: BudgetPlan) -> list[str]:
+def train_overrides(plan: BudgetPlan, step0_share: float = 0.0, ttt_steps: int = 1) -> list[str]:
     """How training keeps to its share of the budget. Planned epochs: the run is sized by time
     (``train.time_budget_minutes``: its predicted seconds less its fixed costs), its cosine follows the time spent,
     and the epochs become an upper bound ``TIME_CAP`` times the prediction (within ``MAX_EPOCHS``), so that a box
-    faster than predicted trains longer instead of leaving the time unused. Epochs the user fixed: those, with
-    ``train.time_limit_minutes`` 10 % above the prediction as a safety net. The same plan gives the same overrides
-    (a rerun skips a finished training)."""
+    faster than predicted trains longer instead of leaving the time unused. The probe prices a step at the whole
+    unroll: with ``ttt.step0_share`` (its first share at step 0 alone, up to ``ttt_steps`` times cheaper a step) the
+    bound grows by 1 + step0_share * (ttt_steps - 1), so that the cheaper steps do not eat the room a faster box
+    needs (the 20-minute quickstart trained 1.4x the token-passes with 0.35 at TTT 3). Epochs the user fixed: those,
+    with ``train.time_limit_minutes`` 10 % above the prediction as a safety net. The same plan gives the same
+    overrides (a rerun skips a finished training)."""
     seconds = plan.predicted_s["train"]
     if plan.fixed.get("train"):
         return [f"train.time_limit_minutes={1.1 * seconds / 60:.2f}"]
-    cap = min(MAX_EPOCHS, max(plan.sizes["train"], TIME_CAP * plan.sizes["train"]))
+    gain = 1.0 + step0_share * (ttt_steps - 1)
+    cap = min(MAX_EPOCHS, max(plan.sizes["train"], TIME_CAP * gain * plan.sizes["train"]))
     return [f"train.time_budget_minutes={max(seconds - STAGE_FIXED_S['train'], 1.0) / 60:.2f}",
             f"train.epochs={cap:.2f}"]
 

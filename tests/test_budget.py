@@ -97,6 +97,9 @@ def test_revisions_follow_the_boxs_real_speed():
     share, cap = train_overrides(plan)
     assert share == f"train.time_budget_minutes={(plan.predicted_s['train'] - STAGE_FIXED_S['train']) / 60:.2f}"
     assert cap == f"train.epochs={2 * epochs:.2f}" and train_overrides(plan) == [share, cap]  # a rerun: the same
+    # step 0 alone for a share of the run trains more token-passes a second: the bound makes room for them
+    assert train_overrides(plan, step0_share=0.35, ttt_steps=3) == [share, f"train.epochs={2 * 1.7 * epochs:.2f}"]
+    assert train_overrides(plan, step0_share=0.35, ttt_steps=1) == [share, cap]
     fixed = fit_budget(20, rates(1), LENGTHS, eval_rows=5, eval_new_tokens=96, fixed={"train": 3.0})
     fixed.started -= fixed.rates.probe_seconds + fixed.predicted_s["cache"]
     assert revise_epochs(fixed, tokens, fixed.predicted_s["cache"]) == 3.0  # epochs the user gave stay, with a net
