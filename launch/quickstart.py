@@ -156,13 +156,14 @@ def run_pipeline(cfg: QuickstartConfig) -> dict[str, Any]:
             overrides.append(f"data.source={Path(regen.regenerate.out_dir) / 'conversations.jsonl'}")
         size = FIXED_SIZES.get(stage)
         if plan is not None and stage in SIZE_KEYS:
-            if stage == "train" and "cache" in ran:
-                cached = json.loads((Path(compose_config("train", overrides).cache_dir) / "manifest.json").read_text())
-                revise_epochs(plan, int(cached["num_tokens"]), timings["cache"]["seconds"])
-            if stage == "train":  # its share of the budget (or a safety net), where the user set neither
+            if stage == "train":
+                train_cfg = compose_config("train", overrides)
+                if "cache" in ran:
+                    cached = json.loads((Path(train_cfg.cache_dir) / "manifest.json").read_text())
+                    revise_epochs(plan, int(cached["num_tokens"]), timings["cache"]["seconds"])
+                # its share of the budget (or a safety net), where the user set neither
                 given = {o.split("=", 1)[0] for o in overrides}
-                ttt = compose_config("train", overrides).ttt
-                overrides += [o for o in train_overrides(plan, ttt.step0_share, ttt.ttt_steps)
+                overrides += [o for o in train_overrides(plan, train_cfg.ttt.step0_share, train_cfg.ttt.ttt_steps)
                               if o.split("=", 1)[0] not in given]
             if stage == "eval" and "train" in ran:
                 revise_prompts(plan, timings["train"]["seconds"])

@@ -591,7 +591,7 @@ class MetricWindow:
         """Seconds spent in eval and checkpoints inside this window (excluded from tokens/s)."""
 
     def add(self, metrics: dict[str, torch.Tensor], tokens: int) -> None:
-        if sorted(metrics) != self.keys:
+        if not metrics.keys() <= set(self.keys):  # a key this window has not seen
             self._widen(metrics)
         values = torch.stack([torch.as_tensor(metrics[k], device=self.device) if k in metrics else self._zero
                               for k in self.keys]).double()
