@@ -35,6 +35,7 @@ from fledge.plan.budget import (
     probe_box,
     revise_epochs,
     revise_prompts,
+    step0_gain,
     train_overrides,
 )
 
@@ -119,7 +120,9 @@ def budget_plan(cfg: QuickstartConfig) -> BudgetPlan:
     def fit(box: Any) -> BudgetPlan:
         return fit_budget(cfg.budget_minutes, box, probe.lengths, rows, eval_job.eval.max_new_tokens, fixed)
 
-    plan = fit_shapes(fit(probe.rates), fit, probe.counts_for, probe.rate_at, vocab, fixed=given_vocab is not None)
+    gain = step0_gain(train_job.ttt.step0_share, train_job.ttt.ttt_steps)  # the passes the vocabulary's rule counts
+    plan = fit_shapes(fit(probe.rates), fit, probe.counts_for, probe.rate_at, vocab, fixed=given_vocab is not None,
+                      passes_gain=gain)
     plan.started = time.time() - plan.rates.probe_seconds  # with any measurement the vocabulary's choice added
     plan.key = key
     plan.actual_s["probe"] = plan.rates.probe_seconds

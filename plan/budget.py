@@ -259,18 +259,29 @@ def draft_vocab_for(counts: torch.Tensor, epochs: float, min_passes: float | Non
     return min(max(size, VOCAB_FLOOR), VOCAB_CEIL, counts.numel())
 
 
+def step0_gain(step0_share: float, ttt_steps: int) -> float:
+    """How many more token-passes ``ttt.step0_share`` buys than the probe's price of a step (the whole unroll)
+    predicts: its first share runs step 0 alone, up to ``ttt_steps`` times cheaper a step, so 1 + share (steps - 1)
+    as an upper bound (at 0.35 and TTT 3 the 60-minute quickstart trained 1.6x its plan's token-passes)."""
+    return 1.0 + step0_share * (ttt_steps - 1)
+
+
 def fit_shapes(
     plan: BudgetPlan, refit: Callable[[BoxRates], BudgetPlan], counts_for: Callable[[int], torch.Tensor],
-    rate_at: Callable[[int], float], vocab: int, fixed: bool = False,
+    rate_at: Callable[[int], float], vocab: int, fixed: bool = False, passes_gain: float = 1.0,
 ) -> BudgetPlan:
     """The draft vocabulary for ``plan`` (made at ``vocab``): ``draft_vocab_for`` the conversations and epochs it
-    plans; where that differs, the training rate measured at it (``rate_at``) and the sizes refitted (``refit``),
-    twice at most (a slower step plans fewer token-passes, which may want a smaller vocabulary again). ``fixed``: the
-    user's vocabulary, kept. The result's ``shapes`` hold the choice, ``shape_notes`` the steps taken."""
+    plans, the epochs times ``passes_gain`` (``step0_gain``: the passes a cheaper start adds); where that differs,
+    the training rate measured at it (``rate_at``) and the sizes refitted (``refit``), twice at most (a slower step
+    plans fewer token-passes, which may want a smaller vocabulary again). ``fixed``: the user's vocabulary, kept.
+    The result's ``shapes`` hold the choice, ``shape_notes`` the steps taken."""
+    if passes_gain < 1.0:
+        raise ValueError(f"passes_gain must be >= 1, got {passes_gain}")
     notes = []
     if not fixed:
         for _ in range(2):
-            want = draft_vocab_for(counts_for(int(plan.sizes["cache"])), plan.sizes["train"])
+            epochs = plan.sizes["train"] * passes_gain
+            want = draft_vocab_for(counts_for(int(plan.sizes["cache"])), epochs)
             if want == vocab:
                 break
             begun = time.perf_counter()
@@ -278,7 +289,7 @@ def fit_shapes(
             rates = replace(plan.rates, train_tokens_per_s=rate,
                             probe_seconds=plan.rates.probe_seconds + time.perf_counter() - begun)
             note = (f"draft vocabulary {vocab} -> {want} (tokens seen >= {VOCAB_MIN_PASSES} times in "
-                    f"{plan.sizes['train']} epochs over {int(plan.sizes['cache'])} conversations; training "
+                    f"{epochs:.2f} epochs' passes over {int(plan.sizes['cache'])} conversations; training "
                     f"{plan.rates.train_tokens_per_s:.0f} -> {rates.train_tokens_per_s:.0f} tokens/s)")
             plan, vocab = refit(rates), want
             notes.append(note)
@@ -320,8 +331,7 @@ def train_overrides(plan: BudgetPlan, step0_share: float = 0.0, ttt_steps: int =
     seconds = plan.predicted_s["train"]
     if plan.fixed.get("train"):
         return [f"train.time_limit_minutes={1.1 * seconds / 60:.2f}"]
-    gain = 1.0 + step0_share * (ttt_steps - 1)
-    cap = min(MAX_EPOCHS, max(plan.sizes["train"], TIME_CAP * gain * plan.sizes["train"]))
+    cap = min(MAX_EPOCHS, max(plan.sizes["train"], TIME_CAP * step0_gain(step0_share, ttt_steps) * plan.sizes["train"]))
     return [f"train.time_budget_minutes={max(seconds - STAGE_FIXED_S['train'], 1.0) / 60:.2f}",
             f"train.epochs={cap:.2f}"]
 

@@ -11,6 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 from fledge.core.errors import ConfigError
+from fledge.launch import quickstart
 from fledge.launch.quickstart import QuickstartConfig, run_pipeline
 from fledge.models.draft_folder import complete_checkpoints
 from fledge.plan import budget
@@ -35,6 +36,7 @@ from fledge.plan.budget import (
     plan_vs_actual,
     revise_epochs,
     revise_prompts,
+    step0_gain,
     train_overrides,
 )
 
@@ -204,11 +206,40 @@ def test_a_larger_budget_gets_a_larger_vocabulary_at_its_own_training_rate(monke
     assert kept.shapes == {"draft_vocab_size": 4096} and kept.fixed["draft_vocab_size"] and not measured
 
 
+def test_the_vocabulary_counts_the_passes_a_step_0_start_adds(monkeypatch):
+    monkeypatch.setattr(budget, "VOCAB_MIN_PASSES", 32)
+
+    def shaped(gain: float):
+        def fit(box):
+            return fit_budget(60, box, LENGTHS, eval_rows=5, eval_new_tokens=96, fixed={})
+        return fit_shapes(fit(rates(3)), fit, zipf_counts, lambda vocab: 3 * 320.0, 4096, passes_gain=gain)
+
+    plain, started = shaped(1.0), shaped(step0_gain(0.35, 3))
+    assert step0_gain(0.35, 3) == pytest.approx(1.7) and step0_gain(0.0, 7) == step0_gain(0.5, 1) == 1.0
+    # the same sizes (the rate does not change here), more passes a token: a larger vocabulary, as the rule gives it
+    assert started.sizes == plain.sizes
+    epochs = plain.sizes["train"]
+    counts = zipf_counts(int(plain.sizes["cache"]))
+    assert plain.shapes["draft_vocab_size"] == draft_vocab_for(counts, epochs)
+    larger = started.shapes["draft_vocab_size"]
+    assert larger == draft_vocab_for(counts, 1.7 * epochs) > plain.shapes["draft_vocab_size"]
+    assert f"{1.7 * epochs:.2f} epochs' passes" in started.shape_notes[0]
+    with pytest.raises(ValueError, match="passes_gain must be >= 1"):
+        shaped(0.9)
+
+
 def test_the_quickstart_under_a_budget_on_a_tiny_verifier(tmp_path, tiny_verifier_dir, monkeypatch):
     # The vocabulary rule at the tiny run's scale: every token seen once is learnable, in steps of 64 from 64.
     monkeypatch.setattr(budget, "VOCAB_MIN_PASSES", 1)
     monkeypatch.setattr(budget, "VOCAB_GRAIN", 64)
     monkeypatch.setattr(budget, "VOCAB_FLOOR", 64)
+    gains = []  # what the vocabulary's rule was told the training's passes gain over the plan's epochs
+
+    def recorded(*args, **kwargs):
+        gains.append(kwargs["passes_gain"])
+        return budget.fit_shapes(*args, **kwargs)
+
+    monkeypatch.setattr(quickstart, "fit_shapes", recorded)
     source = write_sharegpt_jsonl(tmp_path / "convs.jsonl", 40, max_words=30)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"turns": [f"the a of {i} to and"]}) + "\n" for i in range(3)))
@@ -218,12 +249,13 @@ def test_the_quickstart_under_a_budget_on_a_tiny_verifier(tmp_path, tiny_verifie
         run_dir=str(run), stages=["cache", "train", "eval"], budget_minutes=3,
         cache=[f"cache.dir={run}/cache", *verifier, f"data.source={source}", "data.max_length=128"],
         train=[f"cache_dir={run}/cache", f"output_dir={run}/train", "validation.holdout=2", "validation.every=0",
-               "ttt.ttt_steps=2", "log.wandb_mode=disabled", "log.progress=false"],
+               "ttt.ttt_steps=2", "ttt.step0_share=0.5", "log.wandb_mode=disabled", "log.progress=false"],
         eval=[f"draft={run}/train", *verifier, f"prompts=[{prompts}]", "eval.max_new_tokens=6",
               f"eval.out_dir={run}/eval", "eval.warmup_tokens=0", "wandb_mode=disabled"],
     )
     out = run_pipeline(cfg)
     plan = out["plan"]
+    assert gains == [1.5]  # step 0 alone for half the run at TTT 2: 1 + 0.5 (2 - 1)
     # A tiny verifier is fast: every conversation of the source is cached and trained on for more epochs.
     assert plan.sizes["cache"] == 40 and plan.sizes["train"] > 2.0
     assert plan.rates.cache_tokens_per_s > 0 and plan.rates.train_tokens_per_s > 0
@@ -238,10 +270,12 @@ def test_the_quickstart_under_a_budget_on_a_tiny_verifier(tmp_path, tiny_verifie
     assert 64 <= vocab < 4096 and vocab % 64 == 0 and "draft_vocab_size" not in saved["fixed"]
     assert saved["shape_notes"] and f"draft vocabulary 4096 -> {vocab}" in saved["shape_notes"][0]
     assert manifest["draft_vocab_size"] == vocab
-    # training ran for its share of the time, up to twice the epochs predicted (here the cap: a tiny draft is fast)
+    # training ran for its share of the time, up to twice the epochs predicted, times the step-0 start's gain (here
+    # the cap: a tiny draft is fast)
     (_, last), *_ = reversed(complete_checkpoints(run / "train" / "checkpoints"))
     trained = OmegaConf.load(last / "train_config.yaml").train
-    assert trained.time_budget_minutes > 0 and trained.epochs == pytest.approx(min(MAX_EPOCHS, 2 * plan.sizes["train"]))
+    assert trained.time_budget_minutes > 0
+    assert trained.epochs == pytest.approx(min(MAX_EPOCHS, 2 * 1.5 * plan.sizes["train"]))
     # the evaluation carries what the budget has left as its time limit
     limit = json.loads((run / "eval" / "report.json").read_text())["config"]["time_limit_minutes"]
     assert 0.5 <= limit <= 3
