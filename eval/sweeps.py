@@ -162,9 +162,10 @@ OLD_BUDGET_FILE = "plan.json"
 """Its name in run folders of fledge before 2026-12-05 (still read)."""
 
 
-def _runs_and_reports(folders: list[Path]) -> tuple[list[dict[str, Any]], list[tuple[Path, EvalReport]]]:
+def _runs_and_reports(folders: list[Path]) -> tuple[list[dict[str, Any]], list[tuple[Path, EvalReport, bool]]]:
     """Split the folders given into runs (a quickstart run folder, with ``budget.json``; or a training output, with
-    ``metrics.jsonl``) and evaluations (a folder with ``report.json`` and no plan)."""
+    ``metrics.jsonl``) and evaluations (a folder with ``report.json`` and no plan), each evaluation with whether it
+    was named (True) or is a quickstart run's own ``eval/`` (False)."""
     runs, reports = [], []
     for folder in folders:
         budget = renamed_file(folder, BUDGET_FILE, OLD_BUDGET_FILE)
@@ -172,11 +173,11 @@ def _runs_and_reports(folders: list[Path]) -> tuple[list[dict[str, Any]], list[t
             plan = json.loads(budget.read_text())
             runs.append({"folder": folder, "draft": folder / "train", "plan": plan})
             if (folder / "eval" / "report.json").is_file():
-                reports.append((folder / "eval", EvalReport.load(folder / "eval")))
+                reports.append((folder / "eval", EvalReport.load(folder / "eval"), False))
         elif (folder / "metrics.jsonl").is_file():
             runs.append({"folder": folder, "draft": folder, "plan": None})
         elif (folder / "report.json").is_file():
-            reports.append((folder, EvalReport.load(folder)))
+            reports.append((folder, EvalReport.load(folder), True))
         else:
             raise ConfigError(f"{folder} is neither a run nor an evaluation (no {BUDGET_FILE}, metrics.jsonl or "
                               "report.json)",
@@ -190,20 +191,23 @@ def _runs_and_reports(folders: list[Path]) -> tuple[list[dict[str, Any]], list[t
 def budget_table(folders: list[str | Path]) -> list[dict[str, Any]]:
     """One row per (run, prompt set, drafter): the run's budget, data, training figures and wall time beside τ,
     speed-up and throughput over prompt lookup from the largest evaluation of its draft (most prompts; the later
-    folder given on a tie). An evaluation of a draft that none of the runs trained is refused by name."""
+    folder given on a tie). An evaluation named among the folders wins over a quickstart run's own, whatever their
+    sizes: the named ones are those run with one setting for every run compared (the quickstart's own stops at its
+    time limit and decodes fewer tokens). An evaluation of a draft that none of the runs trained is refused by
+    name."""
     runs, reports = _runs_and_reports([Path(f) for f in folders])
     by_draft = {run["draft"].resolve(): run for run in runs}
-    chosen: dict[tuple[Path, str], tuple[Path, EvalReport]] = {}
-    for folder, report in reports:
+    chosen: dict[tuple[Path, str], tuple[Path, EvalReport, tuple[bool, int]]] = {}
+    for folder, report, named in reports:
         path = (report.draft or {}).get("path")
         draft = Path(path or "").resolve()
         if draft not in by_draft:
             raise ConfigError(f"{folder}/report.json evaluates {path}, which none of the runs given trained",
                               fix="give the run folder too, or leave the evaluation out")
         for set_name, entry in report.sets.items():
-            best = chosen.get((draft, set_name))
-            if best is None or entry.num_prompts >= best[1].sets[set_name].num_prompts:
-                chosen[(draft, set_name)] = (folder, report)
+            best, rank = chosen.get((draft, set_name)), (named, entry.num_prompts)
+            if best is None or rank >= best[2]:
+                chosen[(draft, set_name)] = (folder, report, rank)
     table = []
     for run in runs:
         plan = run["plan"] or {}
@@ -213,7 +217,7 @@ def budget_table(folders: list[str | Path]) -> list[dict[str, Any]]:
                 "vocab": plan.get("shapes", {}).get("draft_vocab_size") or _draft_vocab(run["draft"]),
                 "wall_minutes": sum(plan["actual_s"].values()) / 60 if plan.get("actual_s") else None,
                 **_training_figures(run["draft"])}
-        sets = [(s, f, r) for (d, s), (f, r) in chosen.items() if d == run["draft"].resolve()]  # as reported
+        sets = [(s, f, r) for (d, s), (f, r, _) in chosen.items() if d == run["draft"].resolve()]  # as reported
         if not sets:
             table.append(base)
         for set_name, folder, report in sets:

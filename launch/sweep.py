@@ -18,7 +18,8 @@ What a larger budget buys is a table of whole runs rather than of one sweep's jo
     fledge sweep budget runs/qs20 runs/qs60 runs/qs60_e24 --out runs/budget                 # budget.md + budget.png
 
 Each quickstart run gives its budget, plan against actual and training figures; each set's τ comes from the largest
-evaluation of the run's draft among the folders given (the quickstart's own, or a ``fledge eval`` of ``<run>/train``).
+``fledge eval`` of ``<run>/train`` among the folders given, and from the quickstart's own evaluation only where none
+was given (its own stops at a time limit, so its prompts differ from run to run).
 """
 
 from __future__ import annotations

@@ -133,6 +133,18 @@ def test_the_budget_table_joins_runs_with_their_largest_evaluation(tmp_path, cap
     assert budget_main(["--out"]) == 2
 
 
+def test_a_named_evaluation_wins_over_the_quickstarts_own(tmp_path):
+    _quickstart_run(tmp_path / "qs60", 60, steps=6, tau=1.7, prompts=35)  # its own: cut by its time limit
+    _report(tmp_path / "ev_a", tmp_path / "qs60" / "train", tau=1.8, prompts=16)
+    _report(tmp_path / "ev_b", tmp_path / "qs60" / "train", tau=1.9, prompts=24)
+    for order in (["ev_a", "ev_b"], ["ev_b", "ev_a"]):
+        rows = budget_table([tmp_path / "qs60", *(tmp_path / name for name in order)])
+        eagle = next(r for r in rows if r["drafter"] == "eagle3")
+        assert (eagle["tau"], eagle["prompts"], eagle["report"]) == (1.9, 24, str(tmp_path / "ev_b"))
+    rows = budget_table([tmp_path / "qs60"])  # none named: the quickstart's own
+    assert next(r for r in rows if r["drafter"] == "eagle3")["prompts"] == 35
+
+
 def test_the_budget_table_refuses_what_it_cannot_place(tmp_path):
     _quickstart_run(tmp_path / "qs20", 20, steps=2, tau=1.5, prompts=5)
     _report(tmp_path / "stray", tmp_path / "elsewhere" / "train", tau=1.9, prompts=24)
