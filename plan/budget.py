@@ -324,7 +324,7 @@ def train_overrides(plan: BudgetPlan, step0_share: float = 0.0, ttt_steps: int =
     and the epochs become an upper bound ``TIME_CAP`` times the prediction (within ``MAX_EPOCHS``), so that a box
     faster than predicted trains longer instead of leaving the time unused. The probe prices a step at the whole
     unroll: with ``ttt.step0_share`` (its first share at step 0 alone, up to ``ttt_steps`` times cheaper a step) the
-    bound grows by 1 + step0_share * (ttt_steps - 1), so that the cheaper steps do not eat the room a faster box
+    bound grows by ``step0_gain(step0_share, ttt_steps)``, so that the cheaper steps do not eat the room a faster box
     needs (the 20-minute quickstart trained 1.4x the token-passes with 0.35 at TTT 3). Epochs the user fixed: those,
     with ``train.time_limit_minutes`` 10 % above the prediction as a safety net. The same plan gives the same
     overrides (a rerun skips a finished training)."""
