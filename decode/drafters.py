@@ -258,7 +258,8 @@ class HybridDrafter:
 
     Trees may also carry the verifier's own recorded successors of the root (``recycle``: token recycling,
     ``decode/recycle.py``), and ``budget`` keeps the candidates of the most expected accepted tokens out of all of
-    them (``decode/merge.py``); both stay exact for the same reasons. With ``draft_cost``, a round whose lookup
+    them (``decode/merge.py``), with ``node_cost`` only those that pay for their place in the check; all stay exact
+    for the same reasons. With ``draft_cost``, a round whose lookup
     match is trusted enough proposes without the draft at all (``lookup_alone``), as prompt lookup alone would, and
     the draft catches up on the committed tokens when it is next asked.
 
@@ -271,10 +272,11 @@ class HybridDrafter:
 
     def __init__(self, eagle: Drafter, lookup: PromptLookupDrafter, draft_tokens: int = 0, extend: int = 0,
                  lookup_nodes: int = 0, recycle: RecycleTable | None = None, budget: int = 0,
-                 draft_cost: float = 0.0):
+                 draft_cost: float = 0.0, node_cost: float = 0.0):
         settings = (("lookup_nodes", lookup_nodes, "off"), ("draft_tokens", draft_tokens, "the chain's length"),
                     ("extend", extend, "off"), ("budget", budget, "every candidate"),
-                    ("draft_cost", draft_cost, "the draft every round"))
+                    ("draft_cost", draft_cost, "the draft every round"),
+                    ("node_cost", node_cost, "the whole budget"))
         for key, value, zero in settings:
             if value < 0:
                 raise ConfigError(f"hybrid {key} must be >= 0 (0: {zero}), got {value}")
@@ -315,6 +317,10 @@ class HybridDrafter:
         self.draft_cost = draft_cost
         """Trees: the draft's share of a round's cost, in rounds of prompt lookup alone (0: the draft every round);
         ``lookup_alone`` weighs what the draft would add against it."""
+        self.node_cost = node_cost
+        """Trees with a ``budget``: a checked node's price in plain decoding steps; a round keeps fewer than
+        ``budget`` nodes where the next ones would add fewer tokens than they cost (``merge.worth_checking``; 0: the
+        whole budget)."""
         self.lookup_alone_rounds = 0
         """Tree rounds proposed without the draft (``draft_cost``)."""
         self.by_match: dict[int, MatchRecord] = {}
@@ -326,7 +332,7 @@ class HybridDrafter:
     def fresh(self) -> HybridDrafter:
         return HybridDrafter(self.eagle.fresh(), self.lookup.fresh(), self.draft_tokens, self.extend,
                              self.lookup_nodes, None if self.recycle is None else self.recycle.fresh(), self.budget,
-                             self.draft_cost)
+                             self.draft_cost, self.node_cost)
 
     @property
     def observe_top_k(self) -> int:
@@ -465,7 +471,7 @@ class HybridDrafter:
             for branch, key_of in tagged:
                 merge.tag_branch(keys, index, [int(t) for t in branch], key_of)
             size = tree.size
-            tree, keys = merge.keep_best(tree, keys, self.acceptance, self.budget)
+            tree, keys = merge.keep_best(tree, keys, self.acceptance, self.budget, self.node_cost)
             self.pruned_nodes += size - tree.size
             self._proposed = (tree, keys)
         return tree

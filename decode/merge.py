@@ -98,18 +98,39 @@ def draft_keys(tree: DraftTree, draft_nodes: int, keys: list[list[Key]]) -> None
         keys[i].append(draft_key(c))
 
 
-def keep_best(tree: DraftTree, keys: list[list[Key]], model: AcceptanceModel, budget: int
+def worth_checking(values: Sequence[float], node_cost: float) -> int:
+    """How many of the best nodes (``values``: their estimated path probabilities, highest first) a round should
+    check when each checked node costs ``node_cost`` plain decoding steps and a round that checks none one step:
+    the count n that maximises the estimated tokens per step, (1 + sum of the first n values) / (1 + node_cost * n).
+    The values fall and the bar a node must clear rises with n, so the first node that does not pay ends the count.
+    (A real round also pays for drafting, so this prices a node a little dearer than it is.)"""
+    total, count = 1.0, 0
+    for value in values:
+        if value * (1.0 + node_cost * count) <= node_cost * total:  # (total + v) / (1 + c(n+1)) <= total / (1 + cn)
+            break
+        total += value
+        count += 1
+    return count
+
+
+def keep_best(tree: DraftTree, keys: list[list[Key]], model: AcceptanceModel, budget: int, node_cost: float = 0.0
               ) -> tuple[DraftTree, list[list[Key]]]:
     """The ``budget`` nodes of the highest estimated path probability (all when the tree is no larger), as a tree in
-    the same node order, with their keys. A node with no key (none of the sources above proposed it) is kept last."""
-    if tree.size <= budget:
+    the same node order, with their keys. A node with no key (none of the sources above proposed it) is kept last.
+    With ``node_cost`` (a checked node's price in plain decoding steps), fewer when the next ones would not pay for
+    themselves (``worth_checking``)."""
+    if tree.size <= budget and not node_cost:
         return tree, keys
     estimates = [max((model.estimate(k) for k in node_keys), default=0.0) for node_keys in keys]
     value = [0.0] * tree.size
     for i, parent in enumerate(tree.parents.tolist()):  # a parent always comes before its children
         value[i] = estimates[i] * (1.0 if parent < 0 else value[parent])
-    order = sorted(range(tree.size), key=lambda i: (-value[i], i))
-    kept = sorted(order[:budget])
+    order = sorted(range(tree.size), key=lambda i: (-value[i], i))[:budget]
+    if node_cost:
+        order = order[: worth_checking([value[i] for i in order], node_cost)]
+    if len(order) == tree.size:
+        return tree, keys
+    kept = sorted(order)
     new_index = {old: new for new, old in enumerate(kept)}
     parents = [new_index[p] if p >= 0 else -1 for p in tree.parents[kept].tolist()]
     device = tree.tokens.device

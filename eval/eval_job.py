@@ -24,9 +24,10 @@ from fledge.eval.breakdown import breakdown_figures, breakdown_lines
 from fledge.eval.datastore import load_datastore
 from fledge.eval.report import EvalReport
 from fledge.eval.roster import DrafterSettings
-from fledge.eval.runner import EvalConfig, evaluate, load_eagle_drafter
+from fledge.eval.runner import EvalConfig, encode_prompt, evaluate, load_eagle_drafter
 from fledge.eval.summary import mismatch_lines, report_table, stable_figures
-from fledge.models.verifier import VerifierConfig, load_verifier
+from fledge.eval.tune import measure_verify_cost
+from fledge.models.verifier import Verifier, VerifierConfig, load_verifier
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,29 @@ def _draft_paths(draft: str | None) -> dict[str, Path]:
     return jobs
 
 
+NODE_COST_REPEATS = 12
+"""Timed rounds of ``hybrid_node_cost=auto``'s measurement (the fastest of each length is kept): with 5 on this
+project's 2-core boxes v(17) read 1.19 to 1.55 on the same prompt in one evening."""
+
+
+def _node_cost(cfg: EvalJobConfig, verifier: Verifier, prompt_sets: dict[str, list[dict]],
+               aux_layer_ids: list[int]) -> float:
+    """``hybrid_node_cost``, measured on the first prompt of the first set where it is ``auto``."""
+    if not cfg.measures_node_cost:
+        return cfg.node_cost()
+    first = next((p for ps in prompt_sets.values() for p in ps), None)
+    if first is None:
+        raise ConfigError("hybrid_node_cost=auto is measured on the first prompt, and there is none",
+                          fix="check prompts")
+    ids = encode_prompt(verifier.tokenizer, first, cfg.eval.chat_template_kwargs)
+    lengths = sorted({1 + round(i * cfg.hybrid_budget / 4) for i in range(5)})
+    verify = measure_verify_cost(verifier.model, ids, lengths, aux_layer_ids, repeats=NODE_COST_REPEATS)
+    cost = cfg.node_cost(verify)
+    log.info("hybrid_node_cost=auto: a checked node costs %.4f plain steps here (v(k): %s)", cost,
+             " ".join(f"{k}:{v:.3f}" for k, v in sorted(verify.items())))
+    return cost
+
+
 def run(cfg: EvalJobConfig) -> dict[str, Any]:
     if cfg.datastore_alone and cfg.hybrid_datastore is None:
         raise ConfigError("datastore_alone=true needs a datastore", fix="set hybrid_datastore=shipped")
@@ -86,14 +110,19 @@ def run(cfg: EvalJobConfig) -> dict[str, Any]:
         store = load_datastore(cfg.hybrid_datastore, verifier.tokenizer, fingerprint=verifier.fingerprint)
     recycle = (cfg.recycle_table(verifier.tokenizer, int(verifier.model.config.vocab_size), verifier.fingerprint)
                if cfg.hybrid and cfg.draft is not None else None)
+    prompt_sets = {(s if s == "mtbench" else Path(s).stem): load_prompts(s) for s in cfg.prompts}
+    node_cost = None
     for suffix, path in _draft_paths(cfg.draft).items():
         drafter = cfg.eagle(load_eagle_drafter(path, verifier).draft)
         if cfg.draft_alone:
             drafters[f"eagle3{suffix}"] = drafter
         draft_meta = {"path": str(cfg.draft), "draft_vocab_size": int(drafter.draft.config.draft_vocab_size)}
         if cfg.hybrid:
+            if node_cost is None:
+                node_cost = _node_cost(cfg, verifier, prompt_sets, drafter.aux_layer_ids)
+                draft_meta["hybrid_node_cost"] = node_cost
             drafters[f"eagle3+lookup{suffix}"] = cfg.hybrid_of(drafter.draft, store,
-                                                                None if recycle is None else recycle.fresh())
+                                                                None if recycle is None else recycle.fresh(), node_cost)
     if is_sweep_dir(cfg.draft or ""):
         draft_meta["sweep_jobs"] = {str(r["job"]): r["overrides"] for _, r in sweep_jobs(cfg.draft, "train")}
     if cfg.prompt_lookup:
@@ -102,7 +131,6 @@ def run(cfg: EvalJobConfig) -> dict[str, Any]:
         drafters["lookup+datastore"] = cfg.lookup(store)
     if not drafters:
         raise ConfigError("nothing to evaluate", fix="set draft=... or prompt_lookup=true")
-    prompt_sets = {(s if s == "mtbench" else Path(s).stem): load_prompts(s) for s in cfg.prompts}
     def meta() -> dict[str, Any]:
         if store is None:
             return {"draft": draft_meta}

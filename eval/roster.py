@@ -4,8 +4,10 @@ lookup and the hybrid through it, so that tune predicts and checks the drafter e
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from fledge.core.errors import ConfigError
 from fledge.decode.datastore import NgramDatastore
 from fledge.decode.drafters import EagleDrafter, HybridDrafter, PromptLookupDrafter
 from fledge.decode.recycle import RecycleTable, check_widths
@@ -51,6 +53,12 @@ class DrafterSettings:
     """Trees: at most this many draft tokens a round, out of everything the draft, the lookup and the recycle
     table propose: the ones of the most expected accepted tokens, by each kind's acceptance so far in the sequence
     (``decode/merge.py``); 0: every candidate."""
+    hybrid_node_cost: float | str = 0.0
+    """Trees with ``hybrid_budget``: what checking one more node costs, in plain decoding steps; each round keeps
+    only the best nodes whose estimated acceptance pays for their price, up to the budget (``decode/merge.py:
+    worth_checking``). ``auto``: this machine's price, measured before decoding on the first prompt's KV cache: the
+    slope of v(k), the cost of a verifier forward over k tokens, from 1 to 1 + budget (``node_cost``); 0: always
+    the whole budget. Exact: which nodes are kept depends on earlier rounds and the draft's distribution only."""
     hybrid_draft_cost: float = 0.0
     """Trees: the draft's share of a round's cost, counted in rounds of prompt lookup alone (0.4-0.45 on a 2-core
     AMX Xeon with the default verifier: ``docs/experiments/2026-12-07-hybrid-rounds.md``). A round whose lookup
@@ -68,11 +76,37 @@ class DrafterSettings:
         """The hybrid's prompt lookup (and ``lookup+datastore``'s): from ``hybrid_min_ngram`` matching tokens."""
         return PromptLookupDrafter.matching(self.hybrid_min_ngram, self.prompt_lookup_max_ngram, store)
 
+    @property
+    def measures_node_cost(self) -> bool:
+        """``hybrid_node_cost=auto``: the price of a checked node is measured on the machine (``node_cost``)."""
+        return self.hybrid_node_cost == "auto"
+
+    def node_cost(self, verify: Mapping[int, float] | None = None) -> float:
+        """The hybrid's price of a checked node in plain decoding steps: ``hybrid_node_cost``, or with ``auto`` the
+        slope of v(k) over k fitted by least squares to ``verify`` ({k: v(k)}, measured; a single forward's time
+        is noisy on a shared CPU, a line through several lengths less so)."""
+        cost = self.hybrid_node_cost
+        if isinstance(cost, str):
+            if cost != "auto":
+                raise ConfigError(f"hybrid_node_cost must be a number >= 0 or auto, got {cost!r}")
+            if not self.hybrid_budget:
+                raise ConfigError("hybrid_node_cost=auto prices the nodes of hybrid_budget, which is 0 (off)",
+                                  fix="set hybrid_budget=N (the quickstart's is 16)")
+            if verify is None or len(verify) < 2:
+                raise ValueError("hybrid_node_cost=auto needs the verifier's v(k) measured at two lengths or more")
+            mean_k, mean_v = sum(verify) / len(verify), sum(verify.values()) / len(verify)
+            spread = sum((k - mean_k) ** 2 for k in verify)
+            return max(0.0, sum((k - mean_k) * (v - mean_v) for k, v in verify.items()) / spread)
+        return float(cost)
+
     def hybrid_of(self, draft: Eagle3Draft, store: NgramDatastore | None,
-                  recycle: RecycleTable | None = None) -> HybridDrafter:
+                  recycle: RecycleTable | None = None, node_cost: float | None = None) -> HybridDrafter:
+        """The hybrid over ``draft``; ``node_cost``: the measured price where ``hybrid_node_cost=auto``
+        (``node_cost``)."""
         return HybridDrafter(self.eagle(draft), self.lookup(store), draft_tokens=self.hybrid_draft_tokens,
                              extend=self.hybrid_extend, lookup_nodes=self.hybrid_lookup_nodes, recycle=recycle,
-                             budget=self.hybrid_budget, draft_cost=self.hybrid_draft_cost)
+                             budget=self.hybrid_budget, draft_cost=self.hybrid_draft_cost,
+                             node_cost=self.node_cost() if node_cost is None else node_cost)
 
     def recycle_table(self, tokenizer, vocab_size: int, fingerprint: str | None = None) -> RecycleTable | None:
         """The hybrid's recycle table, seeded as ``hybrid_recycle_seed`` says; None when ``hybrid_recycle`` is off."""

@@ -208,7 +208,7 @@ def run(cfg: TuneJobConfig) -> dict[str, Any]:
         if check.hybrid:  # recycled branches (hybrid_recycle) are not predicted, only checked
             recycle = cfg.recycle_table(verifier.tokenizer, int(verifier.model.config.vocab_size),
                                         verifier.fingerprint)
-            checker = cfg.hybrid_of(drafter.draft, lookup.datastore, recycle)
+            checker = cfg.hybrid_of(drafter.draft, lookup.datastore, recycle, cfg.node_cost(cost.verify_steps))
         else:
             checker = cfg.eagle(drafter.draft)
         checked = EvalReport.from_json(evaluate(verifier, {"tune": prompts}, {name: checker}, check_cfg))

@@ -116,6 +116,57 @@ def test_the_budget_keeps_the_nodes_of_the_highest_estimated_path_probability():
     assert pruned.tokens.tolist() == [10, 12, 14]
 
 
+def test_a_round_checks_the_nodes_that_pay_for_themselves():
+    """``worth_checking``: the count of best nodes that maximises (1 + their summed path values) / (1 + cost * count),
+    by hand and against every count; ``keep_best`` keeps that many, within the budget."""
+    from fledge.decode.merge import AcceptanceModel, keep_best, worth_checking
+    from fledge.decode.proposals import DraftTree
+
+    # 1 -> 1.9/1.1 = 1.73 -> 2.4/1.2 = 2.0 -> 2.45/1.3 = 1.88: two nodes
+    assert worth_checking([0.9, 0.5, 0.05, 0.01], 0.1) == 2
+    assert worth_checking([0.9, 0.5, 0.05, 0.01], 0.01) == 3  # the last: 2.46 / 1.04 < 2.45 / 1.03
+    assert worth_checking([0.9, 0.5, 0.05, 0.01], 0.001) == 4
+    assert worth_checking([0.05], 0.1) == 0 and worth_checking([], 0.1) == 0
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        values = torch.rand(int(torch.randint(1, 12, (1,), generator=g)), generator=g).sort(descending=True)
+        values = values.values.tolist()
+        cost = float(torch.rand(1, generator=g)) * 0.3
+        rates = [(1 + sum(values[:n])) / (1 + cost * n) for n in range(len(values) + 1)]
+        assert worth_checking(values, cost) == max(range(len(rates)), key=lambda n: (rates[n], -n))
+
+    # root -> a(0) -> b(1); root -> c(2) -> d(3); root -> e(4); path values a .94, b .18, c .5, d .25, e .1
+    tree = DraftTree(tokens=torch.tensor([10, 11, 12, 13, 14]), parents=torch.tensor([-1, 0, -1, 2, -1]),
+                     depths=torch.tensor([1, 2, 1, 2, 1]), q=None, q_rows=[-1] * 6, draft_to_target=None)
+    keys = [[("draft", 7)], [("draft", 1)], [("lookup", 1, 3)], [("lookup", 2, 3)], [("recycle", 1, 1)]]
+    model = AcceptanceModel()
+    # a and c pay at a cost of 0.2 a node; d's .25 would add less than the 0.2 x 2.44 tokens a node costs
+    pruned, kept = keep_best(tree, keys, model, budget=5, node_cost=0.2)
+    assert pruned.tokens.tolist() == [10, 12] and pruned.parents.tolist() == [-1, -1] and kept == [keys[0], keys[2]]
+    assert keep_best(tree, keys, model, budget=1, node_cost=0.01)[0].tokens.tolist() == [10]  # the budget still caps
+    same, _ = keep_best(tree, keys, model, budget=5, node_cost=0.001)
+    assert same is tree  # every node pays
+
+
+def test_the_node_price_is_the_slope_of_the_measured_verify_cost():
+    """``hybrid_node_cost=auto``: a least-squares line through v(k); a number is taken as it is; refused without a
+    budget to price or when it is neither a number nor auto."""
+    from fledge.eval.roster import DrafterSettings
+
+    auto = DrafterSettings(hybrid_node_cost="auto", hybrid_budget=16)
+    assert auto.measures_node_cost
+    assert auto.node_cost({1: 1.0, 9: 1.24, 17: 1.48}) == pytest.approx(0.03)
+    assert auto.node_cost({1: 1.0, 5: 1.2, 9: 1.2, 13: 1.2, 17: 1.4}) == pytest.approx(0.02)  # not the end points'
+    assert auto.node_cost({1: 1.0, 17: 1.0}) == 0.0
+    assert DrafterSettings(hybrid_node_cost=0.05).node_cost() == 0.05
+    with pytest.raises(ValueError, match="two lengths"):
+        auto.node_cost({1: 1.0})
+    with pytest.raises(ConfigError, match="hybrid_budget"):
+        DrafterSettings(hybrid_node_cost="auto").node_cost({1: 1.0, 2: 1.1})
+    with pytest.raises(ConfigError, match="a number >= 0 or auto"):
+        DrafterSettings(hybrid_node_cost="cheap", hybrid_budget=4).node_cost({1: 1.0, 2: 1.1})
+
+
 def test_a_budgeted_hybrid_stays_within_its_budget_equal_batched_and_exact(verifier):
     """``hybrid_budget``: the draft's tree, the lookup branch and recycled successors cut to the budget; the batched
     hybrid builds the one-row tree, greedy output is plain greedy's, and the estimates learn from the rounds."""
@@ -159,6 +210,21 @@ def test_a_budgeted_hybrid_stays_within_its_budget_equal_batched_and_exact(verif
     with pytest.raises(ConfigError, match="budget"):
         make(-1)
 
+    # With a price on each checked node the rounds check fewer, and the output is still plain greedy's.
+    priced = HybridDrafter(EagleDrafter(draft), PromptLookupDrafter(max_ngram=2, min_ngram=2),
+                           recycle=RecycleTable(seed, (3, 1)), budget=5, node_cost=0.3)
+    cheap = decode_one(verifier, context, priced, method="tree", shape=shape, max_new_tokens=24,
+                       aux_layer_ids=AUX_IDS)
+    assert cheap.tokens == result.tokens
+    assert sum(cheap.tree_nodes) / len(cheap.tree_nodes) < sum(result.tree_nodes) / len(result.tree_nodes)
+    # Priced out of every node, each round checks the root alone: plain decoding, one token a round.
+    dear = HybridDrafter(EagleDrafter(draft), PromptLookupDrafter(max_ngram=2, min_ngram=2), budget=5, node_cost=50.0)
+    alone = decode_one(verifier, context, dear, method="tree", shape=shape, max_new_tokens=24, aux_layer_ids=AUX_IDS)
+    assert alone.tokens == result.tokens and set(alone.tree_nodes) == {0} and set(alone.accepted) == {0}
+    assert priced.fresh().node_cost == 0.3
+    with pytest.raises(ConfigError, match="node_cost"):
+        HybridDrafter(EagleDrafter(draft), PromptLookupDrafter(), node_cost=-0.1)
+
 
 def test_eval_with_recycled_successors_seeded_from_the_verifiers_answers(tiny_verifier_dir, tmp_path):
     """``fledge eval hybrid_recycle=... hybrid_recycle_seed=<file>``: seeded from the verifier's own answers to these
@@ -183,3 +249,12 @@ def test_eval_with_recycled_successors_seeded_from_the_verifiers_answers(tiny_ve
     assert budgeted["mean_tree_nodes"] <= 3
     with pytest.raises(ConfigError, match="widths"):
         run_stage("eval", [*common, "hybrid_recycle=[2,0]", f"eval.out_dir={tmp_path / 'bad'}"])
+    # hybrid_node_cost=auto: the price measured on this machine, recorded in the report; still exact
+    report = run_stage("eval", [*common, "hybrid_recycle=[2,1]", f"hybrid_recycle_seed={seed_file}",
+                                "hybrid_budget=3", "hybrid_node_cost=auto", f"eval.out_dir={tmp_path / 'auto'}"])
+    priced = report["sets"]["prompts"]["drafters"]["eagle3+lookup"]
+    assert priced["greedy_match_rate"] == 1.0 and priced["mean_tree_nodes"] <= 3
+    assert report["draft"]["hybrid_node_cost"] >= 0.0
+    for bad, message in (("hybrid_node_cost=auto", "hybrid_budget"), ("hybrid_node_cost=cheap", "a number")):
+        with pytest.raises(ConfigError, match=message):
+            run_stage("eval", [*common, bad, f"eval.out_dir={tmp_path / 'bad'}"])
