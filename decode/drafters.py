@@ -259,9 +259,9 @@ class HybridDrafter:
     Trees may also carry the verifier's own recorded successors of the root (``recycle``: token recycling,
     ``decode/recycle.py``), and ``budget`` keeps the candidates of the most expected accepted tokens out of all of
     them (``decode/merge.py``), with ``node_cost`` only those that pay for their place in the check; all stay exact
-    for the same reasons. With ``draft_cost``, a round whose lookup
-    match is trusted enough proposes without the draft at all (``lookup_alone``), as prompt lookup alone would, and
-    the draft catches up on the committed tokens when it is next asked.
+    for the same reasons. With ``draft_cost``, a round whose lookup match is trusted enough proposes without the
+    draft at all (``lookup_alone``), as prompt lookup alone would, and the draft catches up on the committed tokens
+    when it is next asked.
 
     Over an ``EagleDrafter`` the hybrid runs as ``BatchedHybrid`` (``decode/batch_draft.py``: lookup per row, the
     draft batched); its own ``start``/``advance``/``propose_*`` serve any other draft that proposes row by row.

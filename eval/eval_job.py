@@ -76,7 +76,7 @@ def _draft_paths(draft: str | None) -> dict[str, Path]:
 
 NODE_COST_REPEATS = 12
 """Timed rounds of ``hybrid_node_cost=auto``'s measurement (the fastest of each length is kept): with 5 on this
-project's 2-core boxes v(17) read 1.19 to 1.55 on the same prompt in one evening."""
+project's 2-core boxes v(17) read 1.42 and 1.19 on the same prompt half an hour apart."""
 
 
 def _node_cost(cfg: EvalJobConfig, verifier: Verifier, prompt_sets: dict[str, list[dict]],
@@ -100,6 +100,8 @@ def _node_cost(cfg: EvalJobConfig, verifier: Verifier, prompt_sets: dict[str, li
 def run(cfg: EvalJobConfig) -> dict[str, Any]:
     if cfg.datastore_alone and cfg.hybrid_datastore is None:
         raise ConfigError("datastore_alone=true needs a datastore", fix="set hybrid_datastore=shipped")
+    if cfg.hybrid and cfg.draft is not None:
+        cfg.check_node_cost()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     # Its dtype is the evaluation's (verifier.dtype), and its linear layers run the kernel chosen for decoding.
     verifier = load_verifier(cfg.verifier, device, decoding=True)

@@ -81,17 +81,23 @@ class DrafterSettings:
         """``hybrid_node_cost=auto``: the price of a checked node is measured on the machine (``node_cost``)."""
         return self.hybrid_node_cost == "auto"
 
+    def check_node_cost(self) -> None:
+        """Refuse a ``hybrid_node_cost`` that is neither a number >= 0 nor ``auto``, or one with no budget to price
+        (it would do nothing)."""
+        cost = self.hybrid_node_cost
+        if (isinstance(cost, str) and cost != "auto") or (not isinstance(cost, str) and cost < 0):
+            raise ConfigError(f"hybrid_node_cost must be a number >= 0 or auto, got {cost!r}")
+        if cost and not self.hybrid_budget:
+            raise ConfigError(f"hybrid_node_cost={cost} prices the nodes of hybrid_budget, which is 0 (off)",
+                              fix="set hybrid_budget=N (the quickstart's is 16)")
+
     def node_cost(self, verify: Mapping[int, float] | None = None) -> float:
         """The hybrid's price of a checked node in plain decoding steps: ``hybrid_node_cost``, or with ``auto`` the
         slope of v(k) over k fitted by least squares to ``verify`` ({k: v(k)}, measured; a single forward's time
         is noisy on a shared CPU, a line through several lengths less so)."""
+        self.check_node_cost()
         cost = self.hybrid_node_cost
         if isinstance(cost, str):
-            if cost != "auto":
-                raise ConfigError(f"hybrid_node_cost must be a number >= 0 or auto, got {cost!r}")
-            if not self.hybrid_budget:
-                raise ConfigError("hybrid_node_cost=auto prices the nodes of hybrid_budget, which is 0 (off)",
-                                  fix="set hybrid_budget=N (the quickstart's is 16)")
             if verify is None or len(verify) < 2:
                 raise ValueError("hybrid_node_cost=auto needs the verifier's v(k) measured at two lengths or more")
             mean_k, mean_v = sum(verify) / len(verify), sum(verify.values()) / len(verify)

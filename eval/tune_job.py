@@ -132,6 +132,8 @@ def _candidate_json(c: Candidate) -> dict[str, Any]:
 
 
 def run(cfg: TuneJobConfig) -> dict[str, Any]:
+    if cfg.hybrid:
+        cfg.check_node_cost()  # before any work, not at the check that uses it
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     verifier = load_verifier(cfg.verifier, device, decoding=True)  # dtype auto: bf16 where fast, else fp32
     dtype = str(verifier.dtype).removeprefix("torch.")

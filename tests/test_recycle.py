@@ -158,13 +158,17 @@ def test_the_node_price_is_the_slope_of_the_measured_verify_cost():
     assert auto.node_cost({1: 1.0, 9: 1.24, 17: 1.48}) == pytest.approx(0.03)
     assert auto.node_cost({1: 1.0, 5: 1.2, 9: 1.2, 13: 1.2, 17: 1.4}) == pytest.approx(0.02)  # not the end points'
     assert auto.node_cost({1: 1.0, 17: 1.0}) == 0.0
-    assert DrafterSettings(hybrid_node_cost=0.05).node_cost() == 0.05
+    assert DrafterSettings(hybrid_node_cost=0.05, hybrid_budget=4).node_cost() == 0.05
+    assert DrafterSettings().node_cost() == 0.0
+    with pytest.raises(ConfigError, match="hybrid_budget"):
+        DrafterSettings(hybrid_node_cost=0.05).node_cost()  # nothing to price: it would do nothing
     with pytest.raises(ValueError, match="two lengths"):
         auto.node_cost({1: 1.0})
     with pytest.raises(ConfigError, match="hybrid_budget"):
         DrafterSettings(hybrid_node_cost="auto").node_cost({1: 1.0, 2: 1.1})
-    with pytest.raises(ConfigError, match="a number >= 0 or auto"):
-        DrafterSettings(hybrid_node_cost="cheap", hybrid_budget=4).node_cost({1: 1.0, 2: 1.1})
+    for bad in ("cheap", -0.01):
+        with pytest.raises(ConfigError, match="a number >= 0 or auto"):
+            DrafterSettings(hybrid_node_cost=bad, hybrid_budget=4).check_node_cost()
 
 
 def test_a_budgeted_hybrid_stays_within_its_budget_equal_batched_and_exact(verifier):

@@ -249,3 +249,14 @@ def test_tune_measures_a_hybrid_recommendation(tiny_verifier_dir, tmp_path, monk
     assert set(report["sets"]["tune"]["drafters"]) == {"eagle3+lookup"}
     assert report["config"]["num_draft_tokens"] == 4 and report["config"]["tree_top_k"] == 2
     assert "topk_rounds" not in result["measurement"]
+
+
+def test_tune_refuses_a_node_price_before_any_work(tmp_path):
+    """A ``hybrid_node_cost`` that is not a number >= 0 or auto, or one with no budget to price, is refused before
+    the verifier or the draft is read (the draft here does not exist)."""
+    from fledge.launch.cli import run_stage
+
+    refusals = (("hybrid_node_cost=cheap", "a number >= 0 or auto"), ("hybrid_node_cost=0.05", "hybrid_budget"))
+    for bad, message in refusals:
+        with pytest.raises(ConfigError, match=message):
+            run_stage("tune", [f"draft={tmp_path / 'nothing'}", bad, f"out_dir={tmp_path / 'out'}"])
