@@ -280,6 +280,9 @@ class HybridDrafter:
         for key, value, zero in settings:
             if value < 0:
                 raise ConfigError(f"hybrid {key} must be >= 0 (0: {zero}), got {value}")
+        if node_cost and not budget:
+            raise ConfigError(f"hybrid node_cost={node_cost} prices the nodes of the budget, which is 0 (off)",
+                              fix="give the hybrid a budget")
         self.eagle = eagle
         self.lookup = lookup
         self.draft_tokens = draft_tokens

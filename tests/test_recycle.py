@@ -227,7 +227,9 @@ def test_a_budgeted_hybrid_stays_within_its_budget_equal_batched_and_exact(verif
     assert alone.tokens == result.tokens and set(alone.tree_nodes) == {0} and set(alone.accepted) == {0}
     assert priced.fresh().node_cost == 0.3
     with pytest.raises(ConfigError, match="node_cost"):
-        HybridDrafter(EagleDrafter(draft), PromptLookupDrafter(), node_cost=-0.1)
+        HybridDrafter(EagleDrafter(draft), PromptLookupDrafter(), budget=5, node_cost=-0.1)
+    with pytest.raises(ConfigError, match="prices the nodes of the budget"):
+        HybridDrafter(EagleDrafter(draft), PromptLookupDrafter(), node_cost=0.1)
 
 
 def test_eval_with_recycled_successors_seeded_from_the_verifiers_answers(tiny_verifier_dir, tmp_path):
